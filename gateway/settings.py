@@ -1,0 +1,69 @@
+"""Gateway settings: one pydantic-settings object, validated once at start (env prefix `ROLLWAY_`)."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ROLLWAY_", extra="forbid")
+
+    backends: list[str] = Field(default_factory=list)
+    """SGLang (or `rollway engine`) base URLs, e.g. http://127.0.0.1:30000."""
+    tokenizer: str = ""
+    """HF model/tokenizer folder whose chat template and tokenizer the gateway uses."""
+    db: str = ""
+    """SQLAlchemy URL: sqlite:///path or postgresql://...; empty = SQLite file in data_dir."""
+    data_dir: Path = Path("rollway-data")
+    """Where the embedded SQLite file, the generated admin key and the tiny model live."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    public_url: str = ""
+    """Base URL agents should use (`{public}/v1`); empty = derived from each request."""
+    admin_key: str = ""
+    """Admin bearer key. Empty: generated, stored in data_dir and printed once."""
+    served_model_name: str = ""
+    """Name in replies and /v1/models; empty = the tokenizer folder's name."""
+    tool_parser: str = "hermes"
+    """Tool-call format of the model: hermes | llama3_json."""
+    reasoning: bool = True
+    """Split a leading <think>...</think> into `reasoning_content`."""
+    context_length: int = 0
+    """Fallback context length when neither the backend nor config.json says (0 = unknown)."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    backend_timeout_s: float = 600.0
+    """Read timeout for one /generate call."""
+    max_resubmits: int = 8
+    """How often one reply may be resubmitted after a backend abort (pause, weight update)."""
+    session_idle_timeout_s: float = 3600.0
+    health_interval_s: float = 5.0
+    gamma: float = 1.0
+    """Discount of per-turn rewards to earlier turns when building per-token returns."""
+    default_groups_per_step: int = 8
+    """B for staleness admission until a trainer tells its own value with a lease request."""
+    max_head_offpolicyness: int = -1
+    """η for admission of new groups; -1 = no admission control until a trainer sets it."""
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _split_backends(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [u.strip() for u in v.split(",") if u.strip()]
+        return v
+
+    @property
+    def db_url(self) -> str:
+        return self.db or f"sqlite:///{(self.data_dir / 'rollway.db').resolve()}"
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host in ("localhost", ""):
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False

@@ -1,0 +1,127 @@
+"""The store's tables (SQLAlchemy 2.0 typed ORM). Schema changes only through Alembic revisions.
+
+groups -> sessions -> turns, plus leases (batches), the weight-version state and the backend registry.
+Token arrays are little-endian binary (`gateway.wire.pack`), never JSON lists. Times are epoch seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, LargeBinary, MetaData, String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Group(Base):
+    __tablename__ = "groups"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    task: Mapped[Any] = mapped_column(JSON)
+    n_samples: Mapped[int] = mapped_column(Integer)
+    # open -> complete -> leased -> trained | dropped (drop_reason)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    drop_reason: Mapped[str | None] = mapped_column(String(64))
+    is_eval: Mapped[bool] = mapped_column(Boolean, default=False)
+    sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    created_at: Mapped[float] = mapped_column(Float)
+    completed_at: Mapped[float | None] = mapped_column(Float)
+    batch_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    trained_version: Mapped[int | None] = mapped_column(Integer)
+
+
+class Session(Base):
+    __tablename__ = "sessions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    group_id: Mapped[str] = mapped_column(ForeignKey("groups.id"), index=True)
+    replica: Mapped[int] = mapped_column(Integer)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    # active -> finished | abandoned
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    end_reason: Mapped[str | None] = mapped_column(String(128))
+    reward: Mapped[float | None] = mapped_column(Float)
+    turn_count: Mapped[int] = mapped_column(Integer, default=0)
+    """Bumped with each stored turn; lets a gateway know its cached view of the session is current."""
+    created_at: Mapped[float] = mapped_column(Float)
+    last_active_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+
+
+class Turn(Base):
+    __tablename__ = "turns"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"))
+    seq: Mapped[int] = mapped_column(Integer)
+    parent_id: Mapped[str | None] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(32))
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    """messages (as received, normalised to dicts), tools, sampling asked and sampling used."""
+    reply: Mapped[dict[str, Any]] = mapped_column(JSON)
+    """The assistant message returned (content, reasoning_content, tool_calls)."""
+    prompt_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    """int32; a delta on parent's prompt+completion when parent_id is set, else the whole prompt."""
+    prompt_len: Mapped[int] = mapped_column(Integer)
+    completion_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    versions: Mapped[bytes] = mapped_column(LargeBinary)
+    temperature: Mapped[float] = mapped_column(Float)
+    finish_reason: Mapped[str] = mapped_column(String(32))
+    continuity: Mapped[str] = mapped_column(String(16))
+    chain_reason: Mapped[str | None] = mapped_column(String(64))
+    client_disconnected: Mapped[bool] = mapped_column(Boolean, default=False)
+    reward: Mapped[float | None] = mapped_column(Float)
+    timings: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[float] = mapped_column(Float)
+
+    __table_args__ = (Index("ix_turns_session_seq", "session_id", "seq", unique=True),)
+
+
+class Batch(Base):
+    """A trainer's lease on a set of complete groups."""
+
+    __tablename__ = "batches"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # leased -> acked | expired
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float)
+    trainer_version: Mapped[int] = mapped_column(Integer)
+
+
+class WeightState(Base):
+    """One row per published version; the highest is current. Version 0 is the starting weights."""
+
+    __tablename__ = "weight_versions"
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_path: Mapped[str] = mapped_column(String(1024))
+    batch_id: Mapped[str | None] = mapped_column(String(64))
+    published_at: Mapped[float] = mapped_column(Float)
+    failed_backends: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class BackendRow(Base):
+    __tablename__ = "backends"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    url: Mapped[str] = mapped_column(String(1024), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    note: Mapped[str | None] = mapped_column(String(512))
+
+
+class Setting(Base):
+    """Small key/value state every gateway process must agree on (e.g. groups_per_step, eta)."""
+
+    __tablename__ = "settings"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[Any] = mapped_column(JSON)
