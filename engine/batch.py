@@ -1,0 +1,83 @@
+"""The running batch's KV cache: rows right-aligned in one `DynamicCache`, left padding masked out.
+
+Requests are prefilled alone (their own cache, no padding, so a prefill equals a plain forward pass) and
+then merged into the batch by left-padding the shorter side. Every decode step appends one column for
+all rows at once; rows leave with an index select, and padding columns no row needs any more are cut.
+This is how `generate` handles a left-padded batch, with rows that come and go between steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def layers_of(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+class DecodeBatch:
+    """KV cache of the running rows. `lengths[i]` is how many real tokens row i has in the cache."""
+
+    def __init__(self) -> None:
+        self.cache: DynamicCache | None = None
+        self.lengths: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return 0 if self.cache is None else self.cache.get_seq_length()
+
+    def add(self, caches: list[DynamicCache]) -> None:
+        """Append rows (each a batch-of-one cache) below the existing ones."""
+        if not caches:
+            return
+        parts = ([layers_of(self.cache)] if self.cache is not None else []) + [layers_of(c) for c in caches]
+        widths = [p[0][0].shape[-2] for p in parts]
+        width = max(widths)
+        merged = []
+        for layer in range(len(parts[0])):
+            keys = torch.cat([_pad_left(p[layer][0], width - w) for p, w in zip(parts, widths, strict=True)])
+            values = torch.cat([_pad_left(p[layer][1], width - w) for p, w in zip(parts, widths, strict=True)])
+            merged.append((keys, values))
+        self.cache = DynamicCache(ddp_cache_data=merged)
+        self.lengths += [c.get_seq_length() for c in caches]
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (in this order); cut the padding columns that every kept row has."""
+        if len(rows) == len(self.lengths):
+            return
+        if not rows or self.cache is None:
+            self.cache, self.lengths = None, []
+            return
+        self.lengths = [self.lengths[r] for r in rows]
+        cut = self.width - max(self.lengths)
+        index = torch.tensor(rows)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, cut:].contiguous()
+            layer.values = layer.values[index, :, cut:].contiguous()
+
+    def step_inputs(self, last_tokens: list[int]) -> dict[str, object]:
+        """Model kwargs for one decode step that feeds each row its last sampled token."""
+        width = self.width
+        lengths = torch.tensor(self.lengths).unsqueeze(1)  # (B, 1)
+        columns = torch.arange(width + 1).unsqueeze(0)  # (1, W + 1)
+        return {
+            "input_ids": torch.tensor(last_tokens).unsqueeze(1),  # (B, 1)
+            "attention_mask": (columns >= width - lengths).long(),  # (B, W + 1), 0 on left padding
+            "position_ids": lengths.clone(),  # (B, 1): the new token's position in its own sequence
+            "past_key_values": self.cache,
+            "use_cache": True,
+        }
+
+    def stepped(self) -> None:
+        self.lengths = [n + 1 for n in self.lengths]
+
+
+def _pad_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, H, T, D) -> (B, H, n + T, D) with zeros in front."""
+    if n == 0:
+        return x
+    return torch.cat([x.new_zeros(*x.shape[:2], n, x.shape[3]), x], dim=2)

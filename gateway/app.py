@@ -1,0 +1,154 @@
+"""`create_app(settings)`: the gateway's FastAPI app. Services live on `app.state`, made in the lifespan.
+
+Errors are mapped to OpenAI's envelope in one place (`_install_error_handlers`); a client never sees a
+traceback or a 422.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.errors import GatewayError, error_body
+from gateway.metrics import Metrics
+from gateway.pool import BackendPool
+from gateway.sessions_cache import SessionCache
+from gateway.settings import Settings
+from gateway.store.db import create_engine
+from gateway.store.store import Store
+from gateway.templating import ChatTemplate
+from gateway.turns import TurnService
+
+log = logging.getLogger("rollway.gateway")
+
+
+def load_template(settings: Settings) -> ChatTemplate:
+    from transformers import AutoTokenizer
+
+    if not settings.tokenizer:
+        raise ValueError("no tokenizer: pass --tokenizer DIR (an HF model folder with a chat template)")
+    tok = AutoTokenizer.from_pretrained(settings.tokenizer)
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"the tokenizer in {settings.tokenizer} has no chat template")
+    return ChatTemplate(tok, tool_parser=settings.tool_parser)
+
+
+def config_context_length(tokenizer_dir: str) -> int | None:
+    cfg = Path(tokenizer_dir) / "config.json"
+    if not cfg.is_file():
+        return None
+    data = json.loads(cfg.read_text())
+    value = data.get("max_position_embeddings") or data.get("n_positions")
+    return int(value) if value else None
+
+
+async def detect_context_length(pool: BackendPool, settings: Settings) -> int:
+    """Backend's /server_info, else the model's config.json, else --context-length (design)."""
+    for backend in pool.backends():
+        with contextlib.suppress(Exception):  # an unreachable backend just doesn't tell us
+            info = await backend.client.server_info()
+            for key in ("context_length", "max_req_input_len"):
+                if info.get(key):
+                    return int(info[key])
+    return config_context_length(settings.tokenizer) or settings.context_length or 4096
+
+
+def served_name(settings: Settings) -> str:
+    return settings.served_model_name or Path(settings.tokenizer.rstrip("/")).name or "rollway"
+
+
+def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = create_engine(settings.db_url)
+        store = Store(engine)
+        http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=settings.backend_timeout_s),
+        )
+        pool = BackendPool(http, health_interval_s=settings.health_interval_s)
+        for url in settings.backends:
+            pool.add(url)
+        template = await asyncio.to_thread(load_template, settings)
+        metrics = Metrics()
+        ctx = await detect_context_length(pool, settings)
+        app.state.settings = settings
+        app.state.store = store
+        app.state.pool = pool
+        app.state.template = template
+        app.state.metrics = metrics
+        app.state.context_length = ctx
+        app.state.model_name = served_name(settings)
+        app.state.turns = TurnService(
+            store=store, template=template, cache=SessionCache(store), metrics=metrics, context_length=ctx,
+            tool_parser=settings.tool_parser, reasoning=settings.reasoning,
+        )
+        await pool.start()
+        sweeper = asyncio.create_task(_sweep_idle(store, settings.session_idle_timeout_s))
+        log.info("gateway ready: %d backend(s), context length %d", len(pool.backends()), ctx)
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            await pool.stop()
+            await http.close()
+            await engine.dispose()
+
+    app = FastAPI(title="rollway gateway", lifespan=lifespan)
+    app.state.admin_key = admin_key
+    _install_error_handlers(app)
+    from gateway.routes import groups, openai_api, responses, system
+
+    app.include_router(openai_api.router)
+    app.include_router(responses.router)
+    app.include_router(groups.router)
+    app.include_router(system.router)
+    return app
+
+
+async def _sweep_idle(store: Store, idle_s: float) -> None:
+    while True:
+        await asyncio.sleep(min(60.0, max(1.0, idle_s / 4)))
+        n = await store.abandon_idle(idle_s)
+        if n:
+            log.info("abandoned %d idle session(s)", n)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after is not None else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(validation_error_body(exc.errors()), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error", exc_info=exc)
+        return JSONResponse(error_body("internal error in the gateway (logged)", "server_error"), status_code=500)
+
+
+def validation_error_body(errors: Any) -> dict[str, Any]:
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    return error_body(f"{param}: {msg}" if param else msg, "invalid_request_error", param)

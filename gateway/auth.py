@@ -1,0 +1,82 @@
+"""Who is calling: an admin (bearer = admin key) or one session (its key, or its id in the path).
+
+Status map (design "Auth and URLs"): missing or unknown key -> 401; a valid key on another session's or
+an admin-only resource -> 403; unknown id -> 404; an ended session -> 409 (checked by the callers).
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from gateway.errors import Forbidden, NotFound, Unauthorized
+from gateway.store.store import SessionAuth
+
+
+def bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def is_admin_key(request: Request, key: str | None) -> bool:
+    admin: str = request.app.state.admin_key
+    return key is not None and hmac.compare_digest(key.encode(), admin.encode())
+
+
+async def admin(request: Request) -> None:
+    """Admin-only routes: a session key is 403, a key nobody issued 401."""
+    key = bearer(request)
+    if key is None:
+        raise Unauthorized("missing bearer key: send the admin key as 'Authorization: Bearer <key>'")
+    if is_admin_key(request, key):
+        return
+    if await request.app.state.store.session_auth(key=key) is None:
+        raise Unauthorized("unknown API key")
+    raise Forbidden("this route needs the admin key; a session key cannot use it")
+
+
+async def chat_session(request: Request, session_id: str | None) -> SessionAuth:
+    """The session of an OpenAI call: by path id (no key needed: the id is the secret) or by key."""
+    store = request.app.state.store
+    if session_id is not None:
+        auth = await store.session_auth(session_id=session_id)
+        if auth is None:
+            raise NotFound(f"no session {session_id}")
+        return auth
+    key = bearer(request)
+    if key is None:
+        raise Unauthorized("missing API key: set OPENAI_API_KEY to a session key from POST /v1/groups")
+    auth = await store.session_auth(key=key)
+    if auth is None:
+        if is_admin_key(request, key):
+            raise Forbidden("the admin key has no session; use a session key from POST /v1/groups")
+        raise Unauthorized("unknown API key")
+    return auth
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    admin: bool
+    session_id: str | None
+
+
+async def admin_or_session(request: Request, session_id: str) -> Caller:
+    """Routes on one session: the admin, or that session itself (its key)."""
+    key = bearer(request)
+    if key is None:
+        raise Unauthorized("missing bearer key")
+    if is_admin_key(request, key):
+        return Caller(True, None)
+    auth = await request.app.state.store.session_auth(key=key)
+    if auth is None:
+        raise Unauthorized("unknown API key")
+    if auth.id != session_id:
+        raise Forbidden("a session key can only read or change its own session")
+    return Caller(False, auth.id)

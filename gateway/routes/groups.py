@@ -1,0 +1,108 @@
+"""Groups and sessions REST: create a group of n sessions, read them, reward, finish, abandon."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from gateway.auth import admin, admin_or_session
+from gateway.errors import BadRequest
+from gateway.protocol import AbandonRequest, CreateGroupRequest, RewardRequest, SamplingPolicy
+from gateway.records import session_record
+from gateway.routes.common import json_response, read_body
+from gateway.store.store import Store
+
+router = APIRouter()
+
+
+def public_base(request: Request) -> str:
+    configured: str = request.app.state.settings.public_url
+    return configured.rstrip("/") if configured else str(request.base_url).rstrip("/")
+
+
+@router.post("/v1/groups")
+async def create_group(request: Request) -> Response:
+    await admin(request)
+    body = await read_body(request, CreateGroupRequest)
+    admission = getattr(request.app.state, "admission", None)
+    if admission is not None and not body.eval:
+        await admission.check()
+    sampling = (body.sampling or SamplingPolicy()).model_dump()
+    store: Store = request.app.state.store
+    gid, creds = await store.create_group(
+        body.task, body.n_samples, sampling=sampling, metadata=body.metadata, is_eval=body.eval
+    )
+    base = public_base(request)
+    return json_response({
+        "group_id": gid,
+        "sessions": [
+            {"session_id": sid, "api_key": key, "base_url": f"{base}/v1",
+             "session_base_url": f"{base}/sessions/{sid}/v1"}
+            for sid, key in creds
+        ],
+    }, status=201)
+
+
+@router.get("/v1/groups/{group_id}")
+async def get_group(request: Request, group_id: str) -> Response:
+    await admin(request)
+    return json_response(await request.app.state.store.group(group_id))
+
+
+@router.get("/v1/sessions")
+async def list_sessions(request: Request) -> Response:
+    await admin(request)
+    q = request.query_params
+    try:
+        since = float(q["since"]) if "since" in q else None
+        limit = int(q.get("limit", "100"))
+    except ValueError:
+        raise BadRequest("since must be a number (epoch seconds) and limit an integer") from None
+    store: Store = request.app.state.store
+    rows = await store.list_sessions(state=q.get("state"), since=since, limit=limit, after=q.get("after"))
+    full = q.get("include_turns", "false").lower() in ("1", "true", "yes")
+    data: list[dict[str, Any]] = []
+    for row in rows:
+        if full:
+            session, turns = await store.session(row["id"])
+            data.append(session_record(session, turns))
+        else:
+            data.append(row)
+    return json_response({"object": "list", "data": data, "next_after": rows[-1]["id"] if len(rows) == limit else None})
+
+
+@router.get("/v1/sessions/{session_id}")
+async def get_session(request: Request, session_id: str) -> Response:
+    await admin_or_session(request, session_id)
+    session, turns = await request.app.state.store.session(session_id)
+    return json_response(session_record(session, turns))
+
+
+@router.post("/v1/sessions/{session_id}/reward")
+async def reward(request: Request, session_id: str) -> Response:
+    await admin_or_session(request, session_id)
+    body = await read_body(request, RewardRequest)
+    if body.reward is None and not body.turn_rewards:
+        raise BadRequest("send {'reward': x} or {'turn_rewards': [{'turn_id', 'reward'}]}")
+    store: Store = request.app.state.store
+    await store.set_reward(
+        session_id, body.reward, [(t.turn_id, t.reward) for t in body.turn_rewards or []] or None
+    )
+    return json_response({"session_id": session_id, "ok": True})
+
+
+@router.post("/v1/sessions/{session_id}/finish")
+async def finish(request: Request, session_id: str) -> Response:
+    await admin_or_session(request, session_id)
+    state = await request.app.state.store.end_session(session_id, "finished", None)
+    return json_response({"session_id": session_id, "state": state})
+
+
+@router.post("/v1/sessions/{session_id}/abandon")
+async def abandon(request: Request, session_id: str) -> Response:
+    await admin_or_session(request, session_id)
+    body = await read_body(request, AbandonRequest)
+    state = await request.app.state.store.end_session(session_id, "abandoned", body.reason)
+    return json_response({"session_id": session_id, "state": state})

@@ -1,0 +1,226 @@
+"""OpenAI chat completions, completions and models; each also under /sessions/{session_id}/v1/..."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from gateway.auth import chat_session
+from gateway.errors import BadRequest
+from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, note_unknown_fields
+from gateway.routes.common import json_response, read_body
+from gateway.routes.streaming import stream_turn
+from gateway.turns import TurnRequest, TurnService, require_tools_supported
+
+router = APIRouter()
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def content_text(content: Any, param: str) -> str | None:
+    """A string, or the concatenated text of content parts; non-text parts are refused."""
+    if content is None or isinstance(content, str):
+        return content
+    out = []
+    for part in content:
+        if part.type not in _TEXT_PARTS:
+            raise BadRequest(f"content part type {part.type!r} is not supported (text only)", param=param)
+        out.append(part.text or "")
+    return "".join(out)
+
+
+def message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+    role = "system" if m.role == "developer" else ("tool" if m.role == "function" else m.role)
+    d: dict[str, Any] = {"role": role, "content": content_text(m.content, f"messages.{i}.content")}
+    if m.tool_calls:
+        d["tool_calls"] = [
+            {
+                "id": tc.id or f"call_{i}_{j}",
+                "type": "function",
+                "function": {
+                    "name": tc.function.name,
+                    "arguments": tc.function.arguments
+                    if isinstance(tc.function.arguments, str)
+                    else json.dumps(tc.function.arguments, ensure_ascii=False),
+                },
+            }
+            for j, tc in enumerate(m.tool_calls)
+        ]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        d["name"] = m.name
+    if m.reasoning_content:
+        d["reasoning_content"] = m.reasoning_content
+    return d
+
+
+def chat_turn_request(body: ChatCompletionRequest) -> TurnRequest:
+    if body.n not in (None, 1):
+        raise BadRequest("n > 1 is not supported: each sample is its own session (POST /v1/groups)", param="n")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    tools = require_tools_supported(body.tool_choice, tools)
+    json_schema = None
+    if body.response_format is not None and body.response_format.type != "text":
+        schema = (body.response_format.json_schema or {}).get("schema", {"type": "object"})
+        json_schema = json.dumps(schema if body.response_format.type == "json_schema" else {"type": "object"})
+    top = body.top_logprobs or 0
+    asked = body.model_dump(exclude={"messages", "tools"}, exclude_none=True)
+    return TurnRequest(
+        endpoint="chat",
+        messages=[message_dict(m, i) for i, m in enumerate(body.messages)],
+        tools=tools,
+        asked=asked,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        top_logprobs=top if body.logprobs else 0,
+        json_schema=json_schema,
+    )
+
+
+def logprobs_content(turns: TurnService, ids: list[int], lps: list[float], tops: list[Any]) -> list[dict[str, Any]]:
+    tok = turns.tokenizer
+    out = []
+    for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
+        if tid in turns.stop_ids:
+            continue
+        text = tok.decode([tid], skip_special_tokens=False)
+        entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+        if i < len(tops) and tops[i]:
+            entry["top_logprobs"] = [
+                {"token": (t := tok.decode([cand], skip_special_tokens=False)), "logprob": clp, "bytes": list(t.encode())}
+                for cand, clp in tops[i]
+            ]
+        out.append(entry)
+    return out
+
+
+def tool_calls_json(parsed: Any) -> list[dict[str, Any]]:
+    return [
+        {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
+        for tc in parsed.tool_calls
+    ]
+
+
+async def _chat(request: Request, session_id: str | None) -> Response:
+    body = await read_body(request, ChatCompletionRequest)
+    note_unknown_fields(body, "chat.completions")
+    auth = await chat_session(request, session_id)
+    turns: TurnService = request.app.state.turns
+    req = chat_turn_request(body)
+    prepared = await turns.prepare(auth, req)
+    model = request.app.state.model_name
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream_turn(request, prepared, model=model, include_usage=include_usage,
+                                 want_logprobs=bool(body.logprobs))
+    gen, done = await run_to_end(request, prepared)
+    message: dict[str, Any] = {"role": "assistant", "content": done.parsed.content}
+    if done.parsed.reasoning_content is not None:
+        message["reasoning_content"] = done.parsed.reasoning_content
+    if done.parsed.tool_calls:
+        message["tool_calls"] = tool_calls_json(done.parsed)
+    choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}
+    if body.logprobs:
+        choice["logprobs"] = {"content": logprobs_content(turns, gen.ids, gen.logprobs, gen.top_logprobs)}
+    return json_response({
+        "id": done.turn_id, "object": "chat.completion", "created": int(prepared.started), "model": model,
+        "choices": [choice], "usage": usage(len(prepared.prompt_ids), len(gen.ids), gen.cached_tokens),
+    })
+
+
+async def run_to_end(request: Request, prepared: Any) -> tuple[Any, Any]:
+    """Non-streaming generation, then the durable store of the turn."""
+    from gateway.generation import Generation, generate
+
+    state = request.app.state
+    gen = Generation()
+    async for _ in generate(
+        state.pool, session_id=prepared.auth.id, group_id=prepared.auth.group_id, prompt_ids=prepared.prompt_ids,
+        sampling=prepared.sampling, max_new_tokens=prepared.max_new_tokens, top_logprobs=prepared.req.top_logprobs,
+        stream=False, max_resubmits=state.settings.max_resubmits, out=gen,
+    ):
+        pass
+    done = await state.turns.finish(prepared, gen)
+    return gen, done
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def _completions(request: Request, session_id: str | None) -> Response:
+    body = await read_body(request, CompletionRequest)
+    note_unknown_fields(body, "completions")
+    auth = await chat_session(request, session_id)
+    if body.n not in (None, 1):
+        raise BadRequest("n > 1 is not supported: each sample is its own session (POST /v1/groups)", param="n")
+    if body.stream:
+        raise BadRequest("streaming is supported on /v1/chat/completions; use stream=false here", param="stream")
+    turns: TurnService = request.app.state.turns
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise BadRequest("a batch of prompts is not supported; send one prompt per request", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = list(turns.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    else:
+        ids = [int(x) for x in prompt]
+    if not ids:
+        raise BadRequest("prompt is empty", param="prompt")
+    req = TurnRequest(
+        endpoint="completions", messages=[], tools=None,
+        asked=body.model_dump(exclude={"prompt"}, exclude_none=True), max_tokens=body.max_tokens,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        temperature=body.temperature, top_p=body.top_p, seed=body.seed, top_logprobs=body.logprobs or 0,
+        raw_prompt_ids=ids,
+    )
+    prepared = await turns.prepare(auth, req)
+    gen, done = await run_to_end(request, prepared)
+    choice: dict[str, Any] = {"index": 0, "text": done.text, "logprobs": None,
+                              "finish_reason": "length" if done.finish_reason == "length" else "stop"}
+    if body.logprobs is not None:
+        toks = [turns.tokenizer.decode([t], skip_special_tokens=False) for t in gen.ids]
+        choice["logprobs"] = {"tokens": toks, "token_logprobs": gen.logprobs, "text_offset": [],
+                              "top_logprobs": None}
+    return json_response({
+        "id": done.turn_id, "object": "text_completion", "created": int(time.time()),
+        "model": request.app.state.model_name, "choices": [choice],
+        "usage": usage(len(prepared.prompt_ids), len(gen.ids), gen.cached_tokens),
+    })
+
+
+async def _models(request: Request, session_id: str | None) -> Response:
+    await chat_session(request, session_id)
+    name = request.app.state.model_name
+    return json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "rollway"}
+    ]})
+
+
+def add_session_routes(router: APIRouter, path: str, fn: Any, method: str) -> None:
+    """`/v1/...` authenticated by key, and `/sessions/{session_id}/v1/...` by the id in the path."""
+
+    async def by_key(request: Request) -> Response:
+        return await fn(request, None)  # type: ignore[no-any-return]
+
+    async def by_path(request: Request, session_id: str) -> Response:
+        return await fn(request, session_id)  # type: ignore[no-any-return]
+
+    router.add_api_route(path, by_key, methods=[method])
+    router.add_api_route("/sessions/{session_id}" + path, by_path, methods=[method], include_in_schema=False)
+
+
+add_session_routes(router, "/v1/chat/completions", _chat, "POST")
+add_session_routes(router, "/v1/completions", _completions, "POST")
+add_session_routes(router, "/v1/models", _models, "GET")

@@ -1,0 +1,142 @@
+"""Stateless OpenAI Responses API (what the OpenAI Agents SDK calls by default).
+
+Input items (message, function_call, function_call_output) become chat messages, so a Responses session
+is recorded and chained exactly like a chat-completions one; output is message and function_call items.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from gateway.auth import chat_session
+from gateway.errors import BadRequest
+from gateway.protocol import ResponsesRequest, note_unknown_fields
+from gateway.routes.common import json_response, read_body
+from gateway.routes.openai_api import add_session_routes, run_to_end
+from gateway.turns import TurnRequest, TurnService, require_tools_supported
+
+router = APIRouter()
+
+
+def _text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest("message content must be a string or a list of text parts", param=param)
+    parts = []
+    for p in content:
+        if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
+            raise BadRequest("only text content parts are supported", param=param)
+        parts.append(str(p.get("text") or ""))
+    return "".join(parts)
+
+
+def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = []
+    if body.instructions:
+        msgs.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        return [*msgs, {"role": "user", "content": body.input}]
+    for i, item in enumerate(body.input):
+        kind = item.get("type", "message" if "role" in item else None)
+        param = f"input.{i}"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise BadRequest(f"unsupported message role {role!r}", param=param)
+            text = _text(item.get("content", ""), param)
+            if role == "assistant" and msgs and msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
+                msgs[-1]["content"] = (msgs[-1]["content"] or "") + text
+            else:
+                msgs.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            if not call["function"]["name"]:
+                raise BadRequest("function_call item needs a name", param=param)
+            if msgs and msgs[-1]["role"] == "assistant":
+                msgs[-1].setdefault("tool_calls", []).append(call)
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out = item.get("output")
+            msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                         "content": out if isinstance(out, str) else json.dumps(out)})
+        elif kind == "reasoning":
+            continue  # our own reasoning comes back; the exact ids are already in the chain
+        else:
+            raise BadRequest(f"unsupported input item type {kind!r}", param=param)
+    return msgs
+
+
+def chat_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
+    if not body.tools:
+        return None
+    out = []
+    for i, t in enumerate(body.tools):
+        if t.type != "function" or not t.name:
+            raise BadRequest(f"only function tools are supported, got {t.type!r}", param=f"tools.{i}")
+        fn = {"name": t.name, "description": t.description, "parameters": t.parameters}
+        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+    return out
+
+
+async def _responses(request: Request, session_id: str | None) -> Response:
+    body = await read_body(request, ResponsesRequest)
+    note_unknown_fields(body, "responses")
+    auth = await chat_session(request, session_id)
+    if body.previous_response_id:
+        raise BadRequest("this endpoint is stateless: send the whole conversation as input",
+                         param="previous_response_id")
+    if body.stream:
+        raise BadRequest("streaming Responses are not supported; use stream=false or chat completions",
+                         param="stream")
+    tool_choice = body.tool_choice
+    if isinstance(tool_choice, dict):
+        tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
+    tools = require_tools_supported(tool_choice, chat_tools(body))
+    turns: TurnService = request.app.state.turns
+    req = TurnRequest(
+        endpoint="responses", messages=input_messages(body), tools=tools,
+        asked=body.model_dump(exclude={"input", "tools", "instructions"}, exclude_none=True),
+        max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
+    )
+    if not req.messages:
+        raise BadRequest("input is empty", param="input")
+    prepared = await turns.prepare(auth, req)
+    gen, done = await run_to_end(request, prepared)
+    output: list[dict[str, Any]] = []
+    if done.parsed.reasoning_content:
+        output.append({"type": "reasoning", "id": f"rs_{secrets.token_hex(12)}",
+                       "summary": [{"type": "summary_text", "text": done.parsed.reasoning_content}]})
+    if done.parsed.content:
+        output.append({"type": "message", "id": f"msg_{secrets.token_hex(12)}", "status": "completed",
+                       "role": "assistant",
+                       "content": [{"type": "output_text", "text": done.parsed.content, "annotations": []}]})
+    for tc in done.parsed.tool_calls:
+        output.append({"type": "function_call", "id": f"fc_{tc.id[5:]}", "call_id": tc.id, "name": tc.name,
+                       "arguments": tc.arguments, "status": "completed"})
+    n_prompt, n_out = len(prepared.prompt_ids), len(gen.ids)
+    incomplete = done.finish_reason == "length"
+    return json_response({
+        "id": done.turn_id, "object": "response", "created_at": int(prepared.started),
+        "status": "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "error": None, "model": request.app.state.model_name, "output": output,
+        "instructions": body.instructions, "metadata": body.metadata or {},
+        "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
+        "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
+        "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+        "max_output_tokens": body.max_output_tokens, "text": {"format": {"type": "text"}},
+        "usage": {"input_tokens": n_prompt, "output_tokens": n_out, "total_tokens": n_prompt + n_out,
+                  "input_tokens_details": {"cached_tokens": gen.cached_tokens},
+                  "output_tokens_details": {"reasoning_tokens": 0}},
+    })
+
+
+add_session_routes(router, "/v1/responses", _responses, "POST")

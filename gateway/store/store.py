@@ -1,0 +1,291 @@
+"""Store: the gateway's queries over groups, sessions and turns (SQLAlchemy Core on the hot path).
+
+Every method is one transaction. Group state follows from its sessions and is recomputed in the same
+transaction that changes a session, so a group's state is never ahead of or behind its rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, func, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from gateway.errors import BadRequest, Conflict, NotFound
+from gateway.store.models import Group, Session, Turn
+
+G, S, T = Group.__table__, Session.__table__, Turn.__table__
+
+
+def new_id(prefix: str) -> str:
+    """128 random bits, hex."""
+    return f"{prefix}{secrets.token_hex(16)}"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(slots=True, frozen=True)
+class SessionAuth:
+    """What a chat call needs to know about its session."""
+
+    id: str
+    group_id: str
+    state: str
+    turn_count: int
+    sampling: dict[str, Any]
+
+
+@dataclass(slots=True)
+class TurnRow:
+    id: str
+    seq: int
+    parent_id: str | None
+    request: dict[str, Any]
+    reply: dict[str, Any]
+    prompt_ids: bytes
+    completion_ids: bytes
+    logprobs: bytes
+    versions: bytes
+    temperature: float
+    finish_reason: str
+    continuity: str
+    chain_reason: str | None
+    client_disconnected: bool
+    reward: float | None
+    prompt_len: int
+    timings: dict[str, Any]
+
+
+class Store:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    # --- groups and sessions ---------------------------------------------------------------------
+
+    async def create_group(
+        self,
+        task: Any,
+        n_samples: int,
+        *,
+        sampling: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+        is_eval: bool = False,
+    ) -> tuple[str, list[tuple[str, str]]]:
+        """A group and its sessions; returns (group_id, [(session_id, api_key)])."""
+        now = time.time()
+        gid = new_id("grp_")
+        creds = [(new_id("sess_"), "rw-" + secrets.token_urlsafe(32)) for _ in range(n_samples)]
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                G.insert().values(
+                    id=gid, task=task, n_samples=n_samples, state="open", is_eval=is_eval,
+                    sampling=sampling, metadata=metadata, created_at=now,
+                )
+            )
+            await conn.execute(
+                S.insert(),
+                [
+                    dict(id=sid, group_id=gid, replica=i, key_hash=hash_key(key), state="active",
+                         turn_count=0, created_at=now, last_active_at=now)
+                    for i, (sid, key) in enumerate(creds)
+                ],
+            )
+        return gid, creds
+
+    async def session_auth(self, *, key: str | None = None, session_id: str | None = None) -> SessionAuth | None:
+        cond = S.c.key_hash == hash_key(key) if key is not None else S.c.id == session_id
+        q = (
+            select(S.c.id, S.c.group_id, S.c.state, S.c.turn_count, G.c.sampling)
+            .join(G, G.c.id == S.c.group_id)
+            .where(cond)
+        )
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(q)).first()
+        if row is None:
+            return None
+        return SessionAuth(row.id, row.group_id, row.state, row.turn_count, row.sampling)
+
+    async def session_turns(self, session_id: str) -> list[TurnRow]:
+        cols = [T.c[name] for name in TurnRow.__slots__]  # type: ignore[attr-defined]
+        q = select(*cols).where(T.c.session_id == session_id).order_by(T.c.seq)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(q)).all()
+        return [TurnRow(*r) for r in rows]
+
+    async def insert_turn(self, session_id: str, values: dict[str, Any]) -> int:
+        """Store one turn and bump the session's turn count; returns the turn's seq. Durable on return."""
+        now = time.time()
+        async with self.engine.begin() as conn:
+            seq = (
+                await conn.execute(
+                    update(S)
+                    .where(S.c.id == session_id)
+                    .values(turn_count=S.c.turn_count + 1, last_active_at=now)
+                    .returning(S.c.turn_count)
+                )
+            ).scalar_one()
+            await conn.execute(T.insert().values(session_id=session_id, seq=seq, created_at=now, **values))
+        return int(seq)
+
+    # --- rewards and lifecycle -------------------------------------------------------------------
+
+    async def set_reward(
+        self, session_id: str, reward: float | None, turn_rewards: list[tuple[str, float]] | None
+    ) -> None:
+        async with self.engine.begin() as conn:
+            sess = await self._session_for_update(conn, session_id)
+            gstate = (await conn.execute(select(G.c.state).where(G.c.id == sess.group_id))).scalar_one()
+            locked = gstate in ("leased", "trained")
+            if reward is not None:
+                if sess.reward != reward:
+                    if locked:
+                        raise Conflict(f"group of session {session_id} was already {gstate}; reward is final")
+                    await conn.execute(update(S).where(S.c.id == session_id).values(reward=reward))
+            for turn_id, value in turn_rewards or []:
+                row = (
+                    await conn.execute(
+                        select(T.c.reward).where(and_(T.c.id == turn_id, T.c.session_id == session_id))
+                    )
+                ).first()
+                if row is None:
+                    raise NotFound(f"turn {turn_id} is not a turn of session {session_id}", param="turn_id")
+                if row.reward != value:
+                    if locked:
+                        raise Conflict(f"group of session {session_id} was already {gstate}; reward is final")
+                    await conn.execute(update(T).where(T.c.id == turn_id).values(reward=value))
+            if turn_rewards and reward is None and sess.reward is None:
+                # A session rewarded per turn counts as rewarded; its session reward is the sum.
+                total = (
+                    await conn.execute(select(func.sum(T.c.reward)).where(T.c.session_id == session_id))
+                ).scalar_one()
+                await conn.execute(update(S).where(S.c.id == session_id).values(reward=total))
+            await self._refresh_group(conn, sess.group_id)
+
+    async def end_session(self, session_id: str, state: str, reason: str | None) -> str:
+        """finish or abandon; returns the session's state after the call (idempotent for the same end)."""
+        assert state in ("finished", "abandoned")
+        async with self.engine.begin() as conn:
+            sess = await self._session_for_update(conn, session_id)
+            if sess.state == state:
+                return state
+            if sess.state != "active":
+                if state == "abandoned" and sess.state == "finished":
+                    gstate = (await conn.execute(select(G.c.state).where(G.c.id == sess.group_id))).scalar_one()
+                    if gstate in ("leased", "trained"):
+                        raise Conflict(f"session {session_id} belongs to a {gstate} group")
+                else:
+                    raise Conflict(f"session {session_id} is already {sess.state}")
+            await conn.execute(
+                update(S).where(S.c.id == session_id).values(state=state, end_reason=reason, ended_at=time.time())
+            )
+            await self._refresh_group(conn, sess.group_id)
+            return state
+
+    async def abandon_idle(self, idle_s: float) -> int:
+        """Abandon sessions idle longer than `idle_s`; returns how many."""
+        cutoff = time.time() - idle_s
+        async with self.engine.begin() as conn:
+            rows = (
+                await conn.execute(
+                    select(S.c.id, S.c.group_id).where(and_(S.c.state == "active", S.c.last_active_at < cutoff))
+                )
+            ).all()
+            if not rows:
+                return 0
+            await conn.execute(
+                update(S)
+                .where(S.c.id.in_([r.id for r in rows]))
+                .values(state="abandoned", end_reason="idle_timeout", ended_at=time.time())
+            )
+            for gid in {r.group_id for r in rows}:
+                await self._refresh_group(conn, gid)
+        return len(rows)
+
+    async def _session_for_update(self, conn: AsyncConnection, session_id: str) -> Any:
+        q = select(S.c.id, S.c.group_id, S.c.state, S.c.reward).where(S.c.id == session_id)
+        if conn.dialect.name == "postgresql":
+            q = q.with_for_update()
+        row = (await conn.execute(q)).first()
+        if row is None:
+            raise NotFound(f"no session {session_id}")
+        return row
+
+    async def _refresh_group(self, conn: AsyncConnection, group_id: str) -> None:
+        """open -> complete when every session is finished+rewarded or abandoned; drop when too few live."""
+        g = (await conn.execute(select(G.c.state, G.c.n_samples).where(G.c.id == group_id))).one()
+        if g.state != "open":
+            return
+        rows = (await conn.execute(select(S.c.state, S.c.reward).where(S.c.group_id == group_id))).all()
+        live = [r for r in rows if r.state != "abandoned"]
+        if len(live) < min(2, g.n_samples):
+            if all(r.state != "active" for r in rows):
+                await conn.execute(
+                    update(G).where(G.c.id == group_id).values(state="dropped", drop_reason="too_few_sessions",
+                                                               completed_at=time.time())
+                )
+            return
+        if all(r.state == "finished" and r.reward is not None for r in live):
+            await conn.execute(update(G).where(G.c.id == group_id).values(state="complete", completed_at=time.time()))
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    async def group(self, group_id: str) -> dict[str, Any]:
+        async with self.engine.connect() as conn:
+            g = (await conn.execute(select(G).where(G.c.id == group_id))).mappings().first()
+            if g is None:
+                raise NotFound(f"no group {group_id}")
+            sessions = (
+                await conn.execute(
+                    select(S.c.id, S.c.replica, S.c.state, S.c.end_reason, S.c.reward, S.c.turn_count)
+                    .where(S.c.group_id == group_id)
+                    .order_by(S.c.replica)
+                )
+            ).mappings().all()
+        out = dict(g)
+        out["sessions"] = [dict(s) for s in sessions]
+        return out
+
+    async def session(self, session_id: str) -> tuple[dict[str, Any], list[TurnRow]]:
+        async with self.engine.connect() as conn:
+            s = (
+                await conn.execute(select(S).where(S.c.id == session_id))
+            ).mappings().first()
+        if s is None:
+            raise NotFound(f"no session {session_id}")
+        out = {k: v for k, v in dict(s).items() if k != "key_hash"}
+        return out, await self.session_turns(session_id)
+
+    async def list_sessions(
+        self, *, state: str | None, since: float | None, limit: int, after: str | None
+    ) -> list[dict[str, Any]]:
+        if limit < 1 or limit > 1000:
+            raise BadRequest("limit must be between 1 and 1000", param="limit")
+        q = select(S.c.id, S.c.group_id, S.c.state, S.c.reward, S.c.turn_count, S.c.created_at).order_by(
+            S.c.created_at, S.c.id
+        )
+        if state:
+            q = q.where(S.c.state == state)
+        if since is not None:
+            q = q.where(S.c.created_at >= since)
+        if after:
+            async with self.engine.connect() as conn:
+                ref = (await conn.execute(select(S.c.created_at).where(S.c.id == after))).first()
+            if ref is None:
+                raise BadRequest(f"unknown cursor {after}", param="after")
+            q = q.where((S.c.created_at > ref.created_at) | and_(S.c.created_at == ref.created_at, S.c.id > after))
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(q.limit(limit))).mappings().all()
+        return [dict(r) for r in rows]
+
+    async def counts(self) -> dict[str, dict[str, int]]:
+        async with self.engine.connect() as conn:
+            g = (await conn.execute(select(G.c.state, func.count()).group_by(G.c.state))).all()
+            s = (await conn.execute(select(S.c.state, func.count()).group_by(S.c.state))).all()
+            t = (await conn.execute(select(T.c.continuity, func.count()).group_by(T.c.continuity))).all()
+        return {"groups": dict(g), "sessions": dict(s), "turns": dict(t)}  # type: ignore[arg-type]

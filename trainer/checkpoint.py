@@ -1,0 +1,153 @@
+"""Durable training checkpoints (DCP: model + optimizer, sharded) and the HF export that gets published.
+
+Both are written under a temporary name and renamed into place once complete and fsynced, so a crash
+never leaves a half-written folder under a name that is read (a checkpoint) or published (weights):
+
+    out/checkpoints/step_00000012/   DCP shards + trainer_state.json {step, version}
+    out/weights/v000007/             model.safetensors, config.json, tokenizer files
+
+All functions are collective (every rank calls them); only rank 0 writes the HF folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+"""Copied verbatim from the model folder training started from: exactly what the gateway templated with."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in path.iterdir():
+        if p.is_file():
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU tensors on rank 0 (empty elsewhere). Collective."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts)
+
+
+def save_dtype(config: object) -> torch.dtype:
+    """The dtype the source checkpoint declares (config `dtype` / `torch_dtype`), else float32."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def export_hf(model: nn.Module, source_dir: str | Path, dest: str | Path) -> Path:
+    """Write an HF folder (safetensors, config, tokenizer) at `dest` atomically. Collective; returns dest.
+
+    Tied embeddings: the tied `lm_head.weight` is left out (HF re-ties it on load from
+    `tie_word_embeddings`), as `save_pretrained` does.
+    """
+    dest = Path(dest).resolve()
+    state = full_state_dict(model)
+    if _rank() == 0:
+        config = model.config  # type: ignore[attr-defined]
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        dtype = save_dtype(config)
+        state = {k: v.to(dtype).contiguous() for k, v in state.items()}
+        tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config.to_json_file(str(tmp / "config.json"))
+        for name in TOKENIZER_FILES:
+            src = Path(source_dir) / name
+            if src.is_file():
+                shutil.copyfile(src, tmp / name)
+        _fsync_tree(tmp)
+        if dest.exists():  # an unpublished leftover of a crashed run: versions are never reused once published
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+        _fsync_dir(dest.parent)
+    _barrier()
+    return dest
+
+
+def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, root: str | Path, *, step: int,
+                    version: int, keep: int) -> Path:
+    """DCP save of model + optimizer, then {step, version}; renamed into place by rank 0. Collective."""
+    root = Path(root).resolve()
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    if _rank() == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "version": version}))
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    done = sorted(p for p in Path(root).glob("step_*") if (p / "trainer_state.json").is_file())
+    return done[-1] if done else None
+
+
+def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path) -> tuple[int, int]:
+    """Restore model + optimizer in place (any world size: DCP reshards); returns (step, version)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = json.loads((Path(path) / "trainer_state.json").read_text())
+    return int(meta["step"]), int(meta["version"])
+
+
+def prune_weights(root: str | Path, keep: int) -> None:
+    dirs = sorted(p for p in Path(root).glob("v*") if p.is_dir())
+    for old in dirs[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

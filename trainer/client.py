@@ -1,0 +1,245 @@
+"""The trainer's side of the gateway: a small synchronous httpx client, and the lease records it returns.
+
+    GatewayClientError            any failure talking to the gateway
+    ├── GatewayUnreachable        connection refused / timed out: the message names the URL
+    └── GatewayHTTPError          the gateway answered 4xx/5xx: status, type, code and its message
+
+Arrays arrive in the compact wire form and are decoded here with `gateway.wire.decode_array`, so the rest
+of the trainer sees plain lists (`Sample`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from gateway.wire import decode_array
+
+log = logging.getLogger(__name__)
+
+
+class GatewayClientError(RuntimeError):
+    pass
+
+
+class GatewayUnreachable(GatewayClientError):
+    pass
+
+
+class GatewayHTTPError(GatewayClientError):
+    def __init__(self, method: str, url: str, status: int, body: Any) -> None:
+        err = body.get("error") if isinstance(body, dict) else None
+        err = err if isinstance(err, dict) else {}
+        self.status = status
+        self.type = str(err.get("type") or "")
+        self.code = err.get("code")
+        self.message = str(err.get("message") or body)
+        super().__init__(f"{method} {url} -> {status} {self.type or ''}: {self.message}")
+
+
+@dataclass
+class Sample:
+    """One sequence of a session (design.md "Training sample"); all arrays have the same length."""
+
+    group_id: str
+    session_id: str
+    reward: float | None
+    temperature: float | list[float]
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    returns: list[float]
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        arrays = [self.loss_mask, self.logprobs, self.versions, self.returns]
+        if isinstance(self.temperature, list):
+            arrays.append(self.temperature)
+        if any(len(a) != n for a in arrays):
+            raise ValueError(f"sample of session {self.session_id}: arrays differ in length")
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return sum(1 for m in self.loss_mask if m)
+
+
+@dataclass
+class SessionInfo:
+    session_id: str
+    reward: float | None
+    state: str
+
+
+@dataclass
+class Group:
+    group_id: str
+    task: Any
+    sessions: list[SessionInfo]
+    samples: list[Sample]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+
+@dataclass
+class Lease:
+    batch_id: str
+    expires_at: Any
+    groups: list[Group] = field(default_factory=list)
+    dropped_stale: int = 0
+
+
+def _array(obj: Any) -> list[Any]:
+    """A wire array, or a plain JSON list (the readable form of GET /v1/sessions)."""
+    return list(obj) if isinstance(obj, list) else decode_array(obj)
+
+
+def parse_sample(d: dict[str, Any]) -> Sample:
+    temp = d.get("temperature", 1.0)
+    temperature: float | list[float] = float(temp) if isinstance(temp, int | float) else _array(temp)
+    reward = d.get("reward")
+    return Sample(
+        group_id=str(d["group_id"]), session_id=str(d["session_id"]),
+        reward=None if reward is None else float(reward), temperature=temperature,
+        token_ids=_array(d["token_ids"]), loss_mask=_array(d["loss_mask"]), logprobs=_array(d["logprobs"]),
+        versions=_array(d["versions"]), returns=_array(d["returns"]),
+    )
+
+
+def parse_group(d: dict[str, Any]) -> Group:
+    sessions = [
+        SessionInfo(str(s["session_id"]), None if s.get("reward") is None else float(s["reward"]),
+                    str(s.get("state", "")))
+        for s in d.get("sessions", [])
+    ]
+    return Group(str(d["group_id"]), d.get("task"), sessions, [parse_sample(s) for s in d.get("samples", [])])
+
+
+class GatewayClient:
+    """Admin-key client for the trainer's endpoints. Thread-safe (httpx.Client is), so the lease renewer
+    shares it with the training loop."""
+
+    def __init__(self, base_url: str, admin_key: str = "", timeout: float = 30.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, *, json: Any = None, params: Any = None,
+                 timeout: float | None = None) -> httpx.Response:
+        try:
+            r = self._http.request(method, path, json=json, params=params,
+                                   timeout=self.timeout if timeout is None else timeout)
+        except (httpx.ConnectError, httpx.TimeoutException, httpx.RemoteProtocolError) as e:
+            raise GatewayUnreachable(
+                f"gateway {self.base_url} unreachable ({method} {path}: {type(e).__name__}: {e}); "
+                "is `rollway serve` running at that URL?"
+            ) from e
+        if r.status_code >= 400:
+            try:
+                body: Any = r.json()
+            except ValueError:
+                body = r.text
+            raise GatewayHTTPError(method, path, r.status_code, body)
+        return r
+
+    # --- leases ---
+    def lease(self, *, max_groups: int, lease_seconds: float, wait_seconds: float, groups_per_step: int,
+              max_head_offpolicyness: int, trainer_version: int) -> Lease | None:
+        """`POST /v1/batches`; None on 204. A Lease with no groups (only `dropped_stale`) holds nothing."""
+        body = {"max_groups": max_groups, "lease_seconds": lease_seconds, "wait_seconds": wait_seconds,
+                "groups_per_step": groups_per_step, "max_head_offpolicyness": max_head_offpolicyness,
+                "trainer_version": trainer_version}
+        r = self._request("POST", "/v1/batches", json=body, timeout=self.timeout + wait_seconds)
+        if r.status_code == 204 or not r.content:
+            return None
+        d = r.json()
+        groups = [parse_group(g) for g in d.get("groups") or []]
+        return Lease(str(d.get("batch_id") or ""), d.get("expires_at"), groups, int(d.get("dropped_stale") or 0))
+
+    def renew(self, batch_id: str, lease_seconds: float) -> None:
+        self._request("POST", f"/v1/batches/{batch_id}/renew", json={"lease_seconds": lease_seconds})
+
+    def ack(self, batch_id: str, results: dict[str, str]) -> None:
+        """Close the named groups of a batch without publishing ("filtered", or "trained" for a batch whose
+        update is in a checkpoint but that is not the one carried by the publish)."""
+        self._request("POST", f"/v1/batches/{batch_id}/ack", json={"results": results})
+
+    # --- weights ---
+    def current_weights(self) -> tuple[int, str | None]:
+        """`GET /v1/weights` -> (version, model_path or None)."""
+        d = self._request("GET", "/v1/weights").json()
+        return int(d.get("version", 0)), d.get("model_path") or None
+
+    def publish(self, version: int, model_path: str, batch_id: str | None, results: dict[str, str]) -> int:
+        """`POST /v1/weights`: the gateway loads the weights and acks the batch in one transaction.
+        Raises GatewayHTTPError with status 409 when `version` is not above the gateway's."""
+        body = {"version": version, "model_path": model_path, "batch_id": batch_id, "results": results}
+        return int(self._request("POST", "/v1/weights", json=body, timeout=max(self.timeout, 600.0))
+                   .json().get("version", version))
+
+    # --- SFT export ---
+    def sessions(self, state: str = "finished", since: str | None = None, limit: int = 100) -> dict[str, Any]:
+        params: dict[str, Any] = {"state": state, "limit": limit}
+        if since:
+            params["since"] = since
+        return dict(self._request("GET", "/v1/sessions", params=params).json())
+
+
+class LeaseRenewer:
+    """Background thread that renews every held batch each `lease_seconds / 3` until it is released.
+    A failed renew is logged and kept in `errors` (the loop reports it); it never kills training."""
+
+    def __init__(self, client: GatewayClient, lease_seconds: float) -> None:
+        self.client = client
+        self.lease_seconds = lease_seconds
+        self.errors: list[str] = []
+        self._held: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-renewer", daemon=True)
+        self._thread.start()
+
+    def hold(self, batch_id: str) -> None:
+        with self._lock:
+            self._held.add(batch_id)
+
+    def release(self, batch_id: str) -> None:
+        with self._lock:
+            self._held.discard(batch_id)
+
+    def held(self) -> list[str]:
+        with self._lock:
+            return sorted(self._held)
+
+    def renew_now(self) -> None:
+        for batch_id in self.held():
+            try:
+                self.client.renew(batch_id, self.lease_seconds)
+            except GatewayClientError as e:  # deliberate: report and keep training
+                log.warning("renewing lease %s failed: %s", batch_id, e)
+                self.errors.append(f"{batch_id}: {e}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.lease_seconds / 3):
+            self.renew_now()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.client.timeout + 5)

@@ -1,0 +1,216 @@
+"""The trainer's one config object: a dataclass with a docstring under every field (cleanrl style).
+
+Loaded from a TOML or JSON file, then `--key value` / `--key=value` overrides (dashes or underscores).
+Every value is checked against its annotation at load: an unknown key, a wrong type or a value outside a
+`Literal` fails before any process is started, never deep inside training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass
+class TrainConfig:
+    # --- where things are ---
+    gateway: str = ""
+    """Gateway base URL (http://host:port). Required in RL mode and for SFT from recorded sessions."""
+    model: str = ""
+    """HF model folder to start from when the gateway serves version 0 (or in SFT mode)."""
+    out: str = "rollway-train"
+    """Output folder: checkpoints/, weights/ (published HF dirs), metrics.jsonl, tb/, rewards.png."""
+    admin_key: str = ""
+    """Gateway admin key; empty = the ROLLWAY_ADMIN_KEY environment variable (never written to out/)."""
+    mode: Literal["rl", "sft"] = "rl"
+    """rl: lease groups and train GRPO-style; sft: supervised fine-tuning on assistant tokens."""
+
+    # --- the run ---
+    steps: int = 0
+    """Optimizer-step rounds (one lease batch each) before exiting; 0 = run until stopped."""
+    seed: int = 0
+    """Seed for torch (weight init of nothing here; only dropout, if a model has any)."""
+    http_timeout: float = 30.0
+    """Seconds for one HTTP call to the gateway (a lease adds its wait_seconds on top)."""
+    dist_timeout: float = 1800.0
+    """Seconds a collective may wait before the process group fails (gloo and NCCL)."""
+
+    # --- leasing (see design.md "Leases and samples" and "Staleness admission") ---
+    groups_per_step: int = 8
+    """Groups trained per step (B). Filtered groups are replaced by leasing more (AReaL#450)."""
+    lease_seconds: float = 300.0
+    """Lease length; a background thread renews every lease_seconds/3 until the groups are acked."""
+    wait_seconds: float = 30.0
+    """Long-poll wait of one lease call. With some groups in hand and none arriving, train on those."""
+    max_head_offpolicyness: int = 0
+    """AReaL's eta: the gateway hands out no group more than eta versions older than the trainer."""
+    dynamic_filter: bool = True
+    """Drop groups whose every advantage is zero (all rewards equal): they carry no gradient."""
+
+    # --- algorithm ---
+    lr: float = 1e-6
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables."""
+    optimizer_steps: int = 1
+    """Optimizer steps per leased batch (the batch is cut into this many minibatches)."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens (rows x longest row) per forward/backward pass on one rank."""
+    adv_std_norm: bool = False
+    """Divide advantages by the group's reward std (GRPO); off by default (Dr. GRPO)."""
+    clip_low: float = 0.2
+    """PPO clip: ratio floor 1 - clip_low."""
+    clip_high: float = 0.28
+    """PPO clip: ratio ceiling 1 + clip_high (DAPO clip-higher)."""
+    behaviour_weight_cap: float = 5.0
+    """Cap on the behaviour importance weight exp(proximal - behaviour); 0 disables."""
+    behaviour_weight_cap_mode: Literal["truncate", "mask"] = "truncate"
+    """truncate: min(w, cap) (TIS); mask: drop tokens whose weight exceeds the cap (AReaL)."""
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """token_mean: every loss token of the step weighs the same; seq_mean: every sequence does."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate to the reference model (the starting weights); 0 = no reference."""
+
+    # --- checkpoints and publishing ---
+    checkpoint_every: int = 1
+    """Durable checkpoint (model, optimizer, step, version) every K steps. Groups are acked only then."""
+    keep_checkpoints: int = 2
+    """Training checkpoints kept on disk (oldest removed)."""
+    keep_weights: int = 3
+    """Published HF weight folders kept on disk (oldest removed; the gateway may still read the last)."""
+
+    # --- SFT ---
+    sft_data: str = ""
+    """SFT: a JSONL file of {"messages": [...]} chats; empty = recorded sessions from GET /v1/sessions."""
+    sft_session_state: str = "finished"
+    """SFT from sessions: the session state to export."""
+    sft_min_reward: float | None = None
+    """SFT from sessions: keep only sessions with at least this reward (rejection sampling)."""
+    sft_epochs: int = 1
+    """SFT: passes over the data (ignored when steps > 0 stops it sooner)."""
+    sft_batch_sequences: int = 16
+    """SFT: sequences per optimizer step (over all ranks)."""
+
+    def resolved_admin_key(self) -> str:
+        return self.admin_key or os.environ.get("ROLLWAY_ADMIN_KEY", "")
+
+    def validate(self) -> TrainConfig:
+        """Checks that relate fields; raises ValueError."""
+        if self.mode == "rl" and not self.gateway:
+            raise ValueError("mode 'rl' needs --gateway URL")
+        if self.mode == "sft" and not (self.sft_data or self.gateway):
+            raise ValueError("mode 'sft' needs --sft-data FILE or --gateway URL (recorded sessions)")
+        if not self.model and not self.gateway:
+            raise ValueError("give --model DIR (or a gateway that serves a published model_path)")
+        for name in ("groups_per_step", "optimizer_steps", "micro_batch_tokens", "checkpoint_every",
+                     "sft_batch_sequences", "keep_checkpoints", "keep_weights"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError("clip_low must be in [0, 1) and clip_high >= 0")
+        return self
+
+    def to_json(self) -> str:
+        """The config as JSON, the admin key left out (it travels in the environment)."""
+        d = dataclasses.asdict(self)
+        d.pop("admin_key")
+        return json.dumps(d, indent=2, sort_keys=True)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """`value` (from TOML/JSON or a CLI string) as the annotated type, or ValueError."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(name, value, inner[0])
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ValueError(f"{name}: {value!r} is not one of {list(allowed)}")
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError(f"{name}: expected an int, got {value!r}")
+        return int(value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ValueError(f"{name}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{name}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{name}: unsupported annotation {hint!r}")
+
+
+def _apply(values: dict[str, Any], source: str, into: dict[str, Any]) -> None:
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in _FIELDS:
+            raise ValueError(f"{source}: unknown option {key!r} (known: {', '.join(sorted(_FIELDS))})")
+        try:
+            into[name] = _coerce(name, value, _HINTS[name])
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+
+def parse_overrides(argv: list[str]) -> dict[str, str]:
+    """`--key value` / `--key=value` / `--flag` (a bare bool flag means true) into a dict of strings."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r} (options look like --key value)")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            i += 1
+            value = argv[i]
+        else:
+            value = "true"
+        out[key] = value
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """File (`.toml` or `.json`; a TOML file may put the keys under `[train]`) then overrides."""
+    values: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        text = p.read_text()
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        if set(data) == {"train"} and isinstance(data["train"], dict):
+            data = data["train"]
+        _apply(data, str(p), values)
+    _apply(overrides or {}, "command line", values)
+    return TrainConfig(**values).validate()

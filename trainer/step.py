@@ -1,0 +1,122 @@
+"""One trainer step on one rank: the passes over its micro-batches and the optimizer steps.
+
+`rl_step` = a no-grad proximal pass over the whole batch with the pre-update weights (and a reference pass
+when kl_coef > 0), then per minibatch: forward + backward per micro-batch, clip, optimizer step.
+`sft_step` = the same minibatch loop with the NLL loss. Both return metrics summed over all ranks.
+
+FSDP averages gradients over ranks; each rank's loss is its share of the step's global mean, so it is
+multiplied by the world size to make the averaged gradient the gradient of that global mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from trainer.batching import MicroBatch, Minibatch, collate
+from trainer.loss import PolicyInputs, PPOParams, ppo_loss, sft_loss, token_logprobs
+
+LossFn = Callable[[int, int, MicroBatch, Tensor, float], tuple[Tensor, dict[str, Tensor]]]
+"""(minibatch index, micro index, micro-batch, current logprobs, normalizer) -> (loss, metric sums)."""
+
+
+def forward_logprobs(model: nn.Module, mb: MicroBatch, with_entropy: bool = False,
+                     ) -> tuple[Tensor, Tensor | None]:
+    logits = model(input_ids=mb.input_ids, use_cache=False).logits  # (B, T, V)
+    return token_logprobs(logits, mb.targets, mb.temperature, with_entropy)
+
+
+@torch.no_grad()
+def score_all(model: nn.Module, batches: list[list[MicroBatch]]) -> list[list[Tensor]]:
+    """Logprobs of every micro-batch under `model` as it is now (no grad)."""
+    return [[forward_logprobs(model, mb)[0] for mb in micro] for micro in batches]
+
+
+def _set_grad_sync(model: nn.Module, on: bool) -> None:
+    setter = getattr(model, "set_requires_gradient_sync", None)  # FSDP2; a plain module has none
+    if setter is not None:
+        setter(on)
+
+
+def _all_reduce_sums(sums: dict[str, Tensor], device: torch.device) -> dict[str, float]:
+    keys = sorted(sums)
+    vec = torch.stack([sums[k].detach().float().to(device) for k in keys])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(vec)
+    return dict(zip(keys, vec.tolist(), strict=True))
+
+
+def run_minibatches(model: nn.Module, optimizer: torch.optim.Optimizer, plan: list[Minibatch],
+                    batches: list[list[MicroBatch]], loss_fn: LossFn, *, max_grad_norm: float,
+                    device: torch.device) -> dict[str, float]:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sums: dict[str, Tensor] = {}
+    grad_norms = []
+    for i, (minibatch, micro) in enumerate(zip(plan, batches, strict=True)):
+        optimizer.zero_grad(set_to_none=True)
+        for j, mb in enumerate(micro):
+            _set_grad_sync(model, j == len(micro) - 1)
+            logp, entropy = forward_logprobs(model, mb, with_entropy=True)
+            loss, metrics = loss_fn(i, j, mb, logp, minibatch.normalizer)
+            (loss * world).backward()
+            metrics["loss_sum"] = loss.detach()
+            if entropy is not None:
+                metrics["entropy_sum"] = (entropy * mb.loss_mask).sum()
+            metrics["padded_tokens"] = torch.tensor(float(mb.n_tokens))
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, torch.zeros(())) + v.detach().float().cpu()
+        if max_grad_norm > 0:
+            norm: Any = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        optimizer.step()
+    out = _all_reduce_sums(sums, device)
+    tokens = max(out.pop("tokens"), 1.0)
+    result = {"loss": out.pop("loss_sum") / max(len(plan), 1), "loss_tokens": tokens,
+              "padded_tokens": out.pop("padded_tokens"), "minibatches": float(len(plan))}
+    for k, v in out.items():
+        result[k.removesuffix("_sum")] = v / tokens  # per loss token: entropy, kl, clipped, nll, ...
+    if grad_norms:
+        result["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    return result
+
+
+def collate_plan(plan: list[Minibatch], device: torch.device) -> list[list[MicroBatch]]:
+    return [[collate(rows, mb.loss_agg, device) for rows in mb.micro] for mb in plan]
+
+
+def rl_step(model: nn.Module, optimizer: torch.optim.Optimizer, plan: list[Minibatch], params: PPOParams, *,
+            max_grad_norm: float, device: torch.device, ref_model: nn.Module | None = None,
+            ) -> dict[str, float]:
+    batches = collate_plan(plan, device)
+    proximal = score_all(model, batches)  # pre-update weights, before the first optimizer step
+    reference = score_all(ref_model, batches) if params.kl_coef > 0 and ref_model is not None else None
+
+    def loss_fn(i: int, j: int, mb: MicroBatch, logp: Tensor, normalizer: float,
+                ) -> tuple[Tensor, dict[str, Tensor]]:
+        inp = PolicyInputs(
+            logprobs=logp, proximal_logprobs=proximal[i][j], behaviour_logprobs=mb.behaviour_logprobs,
+            advantages=mb.advantages, loss_mask=mb.loss_mask,
+            token_weight=mb.token_weight,
+            normalizer=normalizer, ref_logprobs=None if reference is None else reference[i][j],
+        )
+        return ppo_loss(inp, params)
+
+    return run_minibatches(model, optimizer, plan, batches, loss_fn, max_grad_norm=max_grad_norm,
+                           device=device)
+
+
+def sft_step(model: nn.Module, optimizer: torch.optim.Optimizer, plan: list[Minibatch], *,
+             max_grad_norm: float, device: torch.device) -> dict[str, float]:
+    batches = collate_plan(plan, device)
+
+    def loss_fn(i: int, j: int, mb: MicroBatch, logp: Tensor, normalizer: float,
+                ) -> tuple[Tensor, dict[str, Tensor]]:
+        return sft_loss(logp, mb.loss_mask, mb.token_weight, normalizer)
+
+    return run_minibatches(model, optimizer, plan, batches, loss_fn, max_grad_norm=max_grad_norm,
+                           device=device)
+
