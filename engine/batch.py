@@ -40,7 +40,9 @@ class DecodeBatch:
         merged = []
         for layer in range(len(parts[0])):
             keys = torch.cat([_pad_left(p[layer][0], width - w) for p, w in zip(parts, widths, strict=True)])
-            values = torch.cat([_pad_left(p[layer][1], width - w) for p, w in zip(parts, widths, strict=True)])
+            values = torch.cat(
+                [_pad_left(p[layer][1], width - w) for p, w in zip(parts, widths, strict=True)]
+            )
             merged.append((keys, values))
         self.cache = DynamicCache(ddp_cache_data=merged)
         self.lengths += [c.get_seq_length() for c in caches]

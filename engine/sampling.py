@@ -79,25 +79,48 @@ class SamplingParams:
 
     def verify(self) -> None:
         checks = [
-            (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
+            (
+                isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+                "max_new_tokens must be >= 0",
+            ),
             (_number(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
             (_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k must be -1 or >= 1"),
+            (
+                isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+                "top_k must be -1 or >= 1",
+            ),
             (_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty in [-2, 2]"),
-            (_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty in [-2, 2]"),
-            (_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty in (0, 2]"),
-            (isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, "min_new_tokens must be >= 0"),
+            (
+                _number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                "frequency_penalty in [-2, 2]",
+            ),
+            (
+                _number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                "presence_penalty in [-2, 2]",
+            ),
+            (
+                _number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+                "repetition_penalty in (0, 2]",
+            ),
+            (
+                isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
+                "min_new_tokens must be >= 0",
+            ),
             (isinstance(self.n, int) and self.n >= 1, "n must be >= 1"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers"),
-            (self.sampling_seed is None or isinstance(self.sampling_seed, int), "sampling_seed must be an int"),
+            (
+                self.sampling_seed is None or isinstance(self.sampling_seed, int),
+                "sampling_seed must be an int",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise InvalidRequest(message)
         if self.json_schema or self.regex or self.ebnf or self.structural_tag:
-            raise InvalidRequest("constrained decoding (json_schema/regex/ebnf) is not supported by rollway engine")
+            raise InvalidRequest(
+                "constrained decoding (json_schema/regex/ebnf) is not supported by rollway engine"
+            )
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported by rollway engine")
 

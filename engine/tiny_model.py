@@ -18,9 +18,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 DEFAULT_SPECIAL_TOKENS = [
@@ -63,7 +61,7 @@ CHATML_TOOLS_TEMPLATE = (
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
     "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
@@ -103,7 +101,7 @@ _CODE = [
     "def {f}({a}, {b}):\n    return {a} + {b}\n",
     "for {a} in range({n}):\n    print({a})\n",
     "if {a} > {n}:\n    {b} = {a} - {n}\nelse:\n    {b} = 0\n",
-    "import json\ndata = json.loads({a})\nprint(data[\"{b}\"])\n",
+    'import json\ndata = json.loads({a})\nprint(data["{b}"])\n',
     "class {F}:\n    def __init__(self, {a}):\n        self.{a} = {a}\n",
     "const {a} = await fetch(`/api/{b}?n={n}`);\n",
 ]
@@ -213,10 +211,14 @@ def _config(size: str, vocab_size: int, pad_id: int, eos_id: int) -> Qwen2Config
 
 
 def create_tiny_model(out_dir: str | Path, *, seed: int = 0, size: str = "tiny") -> Path:
-    """Write a tiny random Qwen2ForCausalLM with its tokenizer to `out_dir`; return the folder."""
+    """Write a tiny random Qwen2ForCausalLM with its tokenizer to `out_dir`; return the folder.
+
+    `seed` picks the weights; the tokenizer is the same for every seed, so any two tiny models of a size
+    can stand in for each other's checkpoints (e.g. in `/update_weights_from_disk`).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(seed=seed)
+    tokenizer = build_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     config = _config(size, len(tokenizer), pad_id, eos_id)

@@ -22,13 +22,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.errors import GatewayError, error_body
 from gateway.metrics import Metrics
-from gateway.pool import BackendPool
+from gateway.pool import Backend, BackendPool
 from gateway.sessions_cache import SessionCache
 from gateway.settings import Settings
+from gateway.sglang import BackendError
 from gateway.store.db import create_engine
+from gateway.store.leases import Leases
 from gateway.store.store import Store
 from gateway.templating import ChatTemplate
 from gateway.turns import TurnService
+from gateway.weights import Admission, Publisher
 
 log = logging.getLogger("rollway.gateway")
 
@@ -56,7 +59,7 @@ def config_context_length(tokenizer_dir: str) -> int | None:
 async def detect_context_length(pool: BackendPool, settings: Settings) -> int:
     """Backend's /server_info, else the model's config.json, else --context-length (design)."""
     for backend in pool.backends():
-        with contextlib.suppress(Exception):  # an unreachable backend just doesn't tell us
+        with contextlib.suppress(BackendError):  # an unreachable backend just doesn't tell us
             info = await backend.client.server_info()
             for key in ("context_length", "max_req_input_len"):
                 if info.get(key):
@@ -77,17 +80,28 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=settings.backend_timeout_s),
         )
-        pool = BackendPool(http, health_interval_s=settings.health_interval_s)
+        leases = Leases(store, settings.gamma)
+        metrics = Metrics()
+
+        async def on_recover(backend: Backend) -> None:
+            await publisher.sync_backend(backend)
+
+        pool = BackendPool(http, health_interval=settings.health_interval_s, on_recover=on_recover,
+                           client_options={"read_timeout": settings.backend_timeout_s})
+        publisher = Publisher(pool, leases, metrics)
         for url in settings.backends:
             pool.add(url)
+        await publisher.sync_all()
         template = await asyncio.to_thread(load_template, settings)
-        metrics = Metrics()
         ctx = await detect_context_length(pool, settings)
         app.state.settings = settings
         app.state.store = store
         app.state.pool = pool
         app.state.template = template
         app.state.metrics = metrics
+        app.state.leases = leases
+        app.state.publisher = publisher
+        app.state.admission = Admission(leases, settings, metrics)
         app.state.context_length = ctx
         app.state.model_name = served_name(settings)
         app.state.turns = TurnService(
@@ -108,11 +122,12 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
     app = FastAPI(title="rollway gateway", lifespan=lifespan)
     app.state.admin_key = admin_key
     _install_error_handlers(app)
-    from gateway.routes import groups, openai_api, responses, system
+    from gateway.routes import groups, openai_api, responses, system, training
 
     app.include_router(openai_api.router)
     app.include_router(responses.router)
     app.include_router(groups.router)
+    app.include_router(training.router)
     app.include_router(system.router)
     return app
 

@@ -9,6 +9,7 @@ drive an update"). The agent sees one reply.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -55,10 +56,6 @@ class Generation:
             self.top_logprobs.extend(tops)
 
 
-def _raise_rejected(e: BackendRejected) -> None:
-    raise BadRequest(f"the inference backend refused the request: {e.message}") from e
-
-
 async def generate(
     pool: BackendPool,
     *,
@@ -76,7 +73,6 @@ async def generate(
 
     Raises ServiceUnavailable when no backend answers or the reply was interrupted too often.
     """
-    backend: Backend | None = None
     base_rid = uuid.uuid4().hex
     for attempt in range(max_resubmits + 1):
         budget = max_new_tokens - len(out.ids)
@@ -91,49 +87,37 @@ async def generate(
         }
         if top_logprobs:
             payload["top_logprobs_num"] = top_logprobs
-        if stream:
-            backend, gen = await _open_stream(pool, backend, session_id, group_id, payload)
-            try:
-                async for chunk in gen:
-                    out.prompt_tokens = chunk.prompt_tokens or out.prompt_tokens
-                    out.cached_tokens = chunk.cached_tokens or out.cached_tokens
-                    if chunk.output_ids:
-                        out.add(chunk.output_ids, chunk.logprobs, chunk.top_logprobs, parse_version(chunk.weight_version))
-                        yield len(chunk.output_ids)
-                    if chunk.finish_reason is not None:
-                        out.finish = chunk.finish_reason
-            except BackendRejected as e:
-                _raise_rejected(e)
-            except BackendUnavailable as e:
-                pool.mark_failed(backend)
-                raise ServiceUnavailable(f"inference backend failed mid-stream: {e}", retry_after=2) from e
-            finally:
-                await gen.aclose()
-        else:
-            try:
-                if backend is None:
-                    backend, res = await pool.run_with_failover(
-                        session_id, group_id, lambda b: _generate_on(b, payload)
-                    )
-                else:  # resubmission goes to the same backend; fall back to the pool if it died
-                    try:
-                        res = await backend.client.generate(payload)
-                    except BackendUnavailable:
-                        pool.mark_failed(backend)
-                        backend, res = await pool.run_with_failover(
-                            session_id, group_id, lambda b: _generate_on(b, payload)
-                        )
-            except BackendRejected as e:
-                _raise_rejected(e)
-            except NoBackendAvailable as e:
-                raise ServiceUnavailable(str(e) or "no inference backend is available", retry_after=5) from e
-            out.prompt_tokens = res.prompt_tokens or out.prompt_tokens
-            out.cached_tokens = res.cached_tokens or out.cached_tokens
-            out.add(res.output_ids, res.logprobs, res.top_logprobs, parse_version(res.weight_version))
-            out.finish = res.finish_reason
-            if res.output_ids:
-                yield len(res.output_ids)
-        out.backend_id = backend.id if backend is not None else None
+        # The pool keeps a session on its backend, so a resubmission lands where the prefix is cached.
+        try:
+            if stream:
+                gen = pool.stream_with_failover(session_id, group_id, payload)
+                try:
+                    async for chunk in gen:
+                        out.prompt_tokens = chunk.prompt_tokens or out.prompt_tokens
+                        out.cached_tokens = chunk.cached_tokens or out.cached_tokens
+                        if chunk.output_ids:
+                            out.add(chunk.output_ids, chunk.logprobs, chunk.top_logprobs,
+                                    parse_version(chunk.weight_version))
+                            yield len(chunk.output_ids)
+                        if chunk.finish_reason is not None:
+                            out.finish = chunk.finish_reason
+                finally:
+                    await gen.aclose()
+            else:
+                backend, res = await pool.run_with_failover(session_id, group_id, functools.partial(_generate_on, payload=payload))
+                out.backend_id = backend.id
+                out.prompt_tokens = res.prompt_tokens or out.prompt_tokens
+                out.cached_tokens = res.cached_tokens or out.cached_tokens
+                out.add(res.output_ids, res.logprobs, res.top_logprobs, parse_version(res.weight_version))
+                out.finish = res.finish_reason
+                if res.output_ids:
+                    yield len(res.output_ids)
+        except BackendRejected as e:
+            raise BadRequest(f"the inference backend refused the request: {e}") from e
+        except NoBackendAvailable as e:
+            raise ServiceUnavailable(f"no inference backend is available: {e}", retry_after=5) from e
+        except BackendUnavailable as e:  # mid-stream: tokens were already sent on, no failover
+            raise ServiceUnavailable(f"the inference backend failed mid-reply: {e}", retry_after=2) from e
         if out.finish_type != "abort":
             return
         out.resubmits = attempt + 1
@@ -144,40 +128,3 @@ async def generate(
 
 async def _generate_on(backend: Backend, payload: dict[str, Any]) -> tuple[Backend, Any]:
     return backend, await backend.client.generate(payload)
-
-
-async def _open_stream(
-    pool: BackendPool, backend: Backend | None, session_id: str, group_id: str | None, payload: dict[str, Any]
-) -> tuple[Backend, Any]:
-    """A stream whose first chunk is not yet read; failover happens on connect errors only."""
-    tried: set[str] = set()
-    while True:
-        if backend is None or not backend.healthy or backend.id in tried:
-            try:
-                backend = pool.pick(session_id, group_id, exclude=tried)
-            except NoBackendAvailable as e:
-                raise ServiceUnavailable(str(e) or "no inference backend is available", retry_after=5) from e
-        tried.add(backend.id)
-        gen = backend.client.generate_stream(payload)
-        try:
-            first = await gen.__anext__()
-        except BackendUnavailable:
-            await gen.aclose()
-            pool.mark_failed(backend)
-            continue
-        except BackendRejected as e:
-            await gen.aclose()
-            _raise_rejected(e)
-        except StopAsyncIteration:
-            first = None
-        return backend, _prepend(first, gen)
-
-
-async def _prepend(first: Any, gen: Any) -> AsyncIterator[Any]:
-    try:
-        if first is not None:
-            yield first
-            async for chunk in gen:
-                yield chunk
-    finally:
-        await gen.aclose()

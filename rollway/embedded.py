@@ -54,7 +54,7 @@ def engine_process(model_dir: Path, *, port: int | None = None, log_path: Path |
     port = port or free_port()
     cmd = [sys.executable, "-m", "rollway.cli", "engine", "--model", str(model_dir), "--port", str(port),
            *(extra or [])]
-    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -26,7 +26,9 @@ def baseline_and_scale(rewards: list[float], std_norm: bool) -> tuple[float, flo
     return mean, (std if std > STD_EPS else 1.0)
 
 
-def token_advantages(returns: list[float], loss_mask: list[int], baseline: float, scale: float) -> list[float]:
+def token_advantages(
+    returns: list[float], loss_mask: list[int], baseline: float, scale: float
+) -> list[float]:
     return [(r - baseline) / scale if m else 0.0 for r, m in zip(returns, loss_mask, strict=True)]
 
 

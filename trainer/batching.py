@@ -78,9 +78,16 @@ class Minibatch:
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
 
 
-def plan_step(groups: list[ScoredGroup], *, world_size: int, rank: int, optimizer_steps: int,
-              micro_batch_tokens: int, loss_agg: Literal["token_mean", "seq_mean"]) -> list[Minibatch]:
-    rows_by_group = [rows_of(g) for g in groups]
+def plan_step(
+    rows_by_group: list[list[Row]],
+    *,
+    world_size: int,
+    rank: int,
+    optimizer_steps: int,
+    micro_batch_tokens: int,
+    loss_agg: Literal["token_mean", "seq_mean"],
+) -> list[Minibatch]:
+    """This rank's share of a step; `rows_by_group` keeps each group's rows together (never split)."""
     tokens = [sum(len(r.token_ids) for r in rows) for rows in rows_by_group]
     plan = []
     for mb_groups in balanced_split(tokens, optimizer_steps):
@@ -98,7 +105,9 @@ def plan_step(groups: list[ScoredGroup], *, world_size: int, rank: int, optimize
         ]
         n_passes = max(1, *(len(m) for m in micro_per_rank))
         mine = micro_per_rank[rank]
-        plan.append(Minibatch(mine + [[] for _ in range(n_passes - len(mine))], max(normalizer, 1.0), loss_agg))
+        plan.append(
+            Minibatch(mine + [[] for _ in range(n_passes - len(mine))], max(normalizer, 1.0), loss_agg)
+        )
     return plan
 
 
@@ -119,8 +128,11 @@ class MicroBatch:
         return int(self.input_ids.numel())
 
 
-def collate(rows: list[Row], loss_agg: Literal["token_mean", "seq_mean"] = "token_mean",
-            device: torch.device | str = "cpu") -> MicroBatch:
+def collate(
+    rows: list[Row],
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean",
+    device: torch.device | str = "cpu",
+) -> MicroBatch:
     """Right-padded tensors; an empty `rows` gives one 2-token row with no loss tokens (a no-op pass)."""
     if not rows:
         rows = [Row([0, 0], [0, 0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0])]
@@ -143,7 +155,11 @@ def collate(rows: list[Row], loss_agg: Literal["token_mean", "seq_mean"] = "toke
             weight[i, :] = 1.0 / max(r.n_loss_tokens, 1)
     mask[:, 0] = 0.0  # the first token has no context to be scored from
     return MicroBatch(
-        input_ids=ids[:, :-1].to(device), targets=ids[:, 1:].to(device), loss_mask=mask[:, 1:].to(device),
-        behaviour_logprobs=behav[:, 1:].to(device), advantages=adv[:, 1:].to(device),
-        temperature=temp[:, 1:].to(device), token_weight=weight[:, 1:].to(device),
+        input_ids=ids[:, :-1].to(device),
+        targets=ids[:, 1:].to(device),
+        loss_mask=mask[:, 1:].to(device),
+        behaviour_logprobs=behav[:, 1:].to(device),
+        advantages=adv[:, 1:].to(device),
+        temperature=temp[:, 1:].to(device),
+        token_weight=weight[:, 1:].to(device),
     )

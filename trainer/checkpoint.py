@@ -29,8 +29,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
     "generation_config.json",
 )
 """Copied verbatim from the model folder training started from: exactly what the gateway templated with."""
@@ -99,7 +106,8 @@ def export_hf(model: nn.Module, source_dir: str | Path, dest: str | Path) -> Pat
             if src.is_file():
                 shutil.copyfile(src, tmp / name)
         _fsync_tree(tmp)
-        if dest.exists():  # an unpublished leftover of a crashed run: versions are never reused once published
+        # A leftover here is from a crashed run, never published: a published version is never reused.
+        if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
         _fsync_dir(dest.parent)
@@ -107,8 +115,15 @@ def export_hf(model: nn.Module, source_dir: str | Path, dest: str | Path) -> Pat
     return dest
 
 
-def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, root: str | Path, *, step: int,
-                    version: int, keep: int) -> Path:
+def save_checkpoint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    root: str | Path,
+    *,
+    step: int,
+    version: int,
+    keep: int,
+) -> Path:
     """DCP save of model + optimizer, then {step, version}; renamed into place by rank 0. Collective."""
     root = Path(root).resolve()
     final = root / f"step_{step:08d}"

@@ -105,17 +105,25 @@ def parse_sample(d: dict[str, Any]) -> Sample:
     temperature: float | list[float] = float(temp) if isinstance(temp, int | float) else _array(temp)
     reward = d.get("reward")
     return Sample(
-        group_id=str(d["group_id"]), session_id=str(d["session_id"]),
-        reward=None if reward is None else float(reward), temperature=temperature,
-        token_ids=_array(d["token_ids"]), loss_mask=_array(d["loss_mask"]), logprobs=_array(d["logprobs"]),
-        versions=_array(d["versions"]), returns=_array(d["returns"]),
+        group_id=str(d["group_id"]),
+        session_id=str(d["session_id"]),
+        reward=None if reward is None else float(reward),
+        temperature=temperature,
+        token_ids=_array(d["token_ids"]),
+        loss_mask=_array(d["loss_mask"]),
+        logprobs=_array(d["logprobs"]),
+        versions=_array(d["versions"]),
+        returns=_array(d["returns"]),
     )
 
 
 def parse_group(d: dict[str, Any]) -> Group:
     sessions = [
-        SessionInfo(str(s["session_id"]), None if s.get("reward") is None else float(s["reward"]),
-                    str(s.get("state", "")))
+        SessionInfo(
+            str(s["session_id"]),
+            None if s.get("reward") is None else float(s["reward"]),
+            str(s.get("state", "")),
+        )
         for s in d.get("sessions", [])
     ]
     return Group(str(d["group_id"]), d.get("task"), sessions, [parse_sample(s) for s in d.get("samples", [])])
@@ -125,12 +133,19 @@ class GatewayClient:
     """Admin-key client for the trainer's endpoints. Thread-safe (httpx.Client is), so the lease renewer
     shares it with the training loop."""
 
-    def __init__(self, base_url: str, admin_key: str = "", timeout: float = 30.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        admin_key: str = "",
+        timeout: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -141,11 +156,13 @@ class GatewayClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, method: str, path: str, *, json: Any = None, params: Any = None,
-                 timeout: float | None = None) -> httpx.Response:
+    def _request(
+        self, method: str, path: str, *, json: Any = None, params: Any = None, timeout: float | None = None
+    ) -> httpx.Response:
         try:
-            r = self._http.request(method, path, json=json, params=params,
-                                   timeout=self.timeout if timeout is None else timeout)
+            r = self._http.request(
+                method, path, json=json, params=params, timeout=self.timeout if timeout is None else timeout
+            )
         except (httpx.ConnectError, httpx.TimeoutException, httpx.RemoteProtocolError) as e:
             raise GatewayUnreachable(
                 f"gateway {self.base_url} unreachable ({method} {path}: {type(e).__name__}: {e}); "
@@ -160,18 +177,33 @@ class GatewayClient:
         return r
 
     # --- leases ---
-    def lease(self, *, max_groups: int, lease_seconds: float, wait_seconds: float, groups_per_step: int,
-              max_head_offpolicyness: int, trainer_version: int) -> Lease | None:
+    def lease(
+        self,
+        *,
+        max_groups: int,
+        lease_seconds: float,
+        wait_seconds: float,
+        groups_per_step: int,
+        max_head_offpolicyness: int,
+        trainer_version: int,
+    ) -> Lease | None:
         """`POST /v1/batches`; None on 204. A Lease with no groups (only `dropped_stale`) holds nothing."""
-        body = {"max_groups": max_groups, "lease_seconds": lease_seconds, "wait_seconds": wait_seconds,
-                "groups_per_step": groups_per_step, "max_head_offpolicyness": max_head_offpolicyness,
-                "trainer_version": trainer_version}
+        body = {
+            "max_groups": max_groups,
+            "lease_seconds": lease_seconds,
+            "wait_seconds": wait_seconds,
+            "groups_per_step": groups_per_step,
+            "max_head_offpolicyness": max_head_offpolicyness,
+            "trainer_version": trainer_version,
+        }
         r = self._request("POST", "/v1/batches", json=body, timeout=self.timeout + wait_seconds)
         if r.status_code == 204 or not r.content:
             return None
         d = r.json()
         groups = [parse_group(g) for g in d.get("groups") or []]
-        return Lease(str(d.get("batch_id") or ""), d.get("expires_at"), groups, int(d.get("dropped_stale") or 0))
+        return Lease(
+            str(d.get("batch_id") or ""), d.get("expires_at"), groups, int(d.get("dropped_stale") or 0)
+        )
 
     def renew(self, batch_id: str, lease_seconds: float) -> None:
         self._request("POST", f"/v1/batches/{batch_id}/renew", json={"lease_seconds": lease_seconds})
@@ -191,8 +223,11 @@ class GatewayClient:
         """`POST /v1/weights`: the gateway loads the weights and acks the batch in one transaction.
         Raises GatewayHTTPError with status 409 when `version` is not above the gateway's."""
         body = {"version": version, "model_path": model_path, "batch_id": batch_id, "results": results}
-        return int(self._request("POST", "/v1/weights", json=body, timeout=max(self.timeout, 600.0))
-                   .json().get("version", version))
+        return int(
+            self._request("POST", "/v1/weights", json=body, timeout=max(self.timeout, 600.0))
+            .json()
+            .get("version", version)
+        )
 
     # --- SFT export ---
     def sessions(self, state: str = "finished", since: str | None = None, limit: int = 100) -> dict[str, Any]:

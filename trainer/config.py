@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tomllib
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+import tomllib
 
 
 @dataclass
@@ -115,8 +116,15 @@ class TrainConfig:
             raise ValueError("mode 'sft' needs --sft-data FILE or --gateway URL (recorded sessions)")
         if not self.model and not self.gateway:
             raise ValueError("give --model DIR (or a gateway that serves a published model_path)")
-        for name in ("groups_per_step", "optimizer_steps", "micro_batch_tokens", "checkpoint_every",
-                     "sft_batch_sequences", "keep_checkpoints", "keep_weights"):
+        for name in (
+            "groups_per_step",
+            "optimizer_steps",
+            "micro_batch_tokens",
+            "checkpoint_every",
+            "sft_batch_sequences",
+            "keep_checkpoints",
+            "keep_weights",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):

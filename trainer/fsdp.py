@@ -13,6 +13,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,9 @@ def free_port() -> int:
 def init_distributed(timeout_s: float = 1800.0, force_cpu: bool = False) -> DistInfo:
     """Join the process group torchrun describes in the environment; alone (world size 1) without one."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     use_cuda = torch.cuda.is_available() and not force_cpu
@@ -54,8 +56,9 @@ def init_distributed(timeout_s: float = 1800.0, force_cpu: bool = False) -> Dist
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
-                                rank=rank, world_size=world)
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s), rank=rank, world_size=world
+        )
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     return DistInfo(rank, world, local_rank, device, mesh)
 
@@ -80,6 +83,28 @@ def shard_model(model: nn.Module, info: DistInfo) -> nn.Module:
         fully_shard(layer, mesh=info.mesh, mp_policy=mp)
     fully_shard(model, mesh=info.mesh, mp_policy=mp)
     return model
+
+
+def load_sharded_model(source: str, info: DistInfo, trainable: bool = True) -> nn.Module:
+    """HF causal LM from `source` in float32 (master weights), FSDP2-sharded over the mesh.
+    Every rank reads the full checkpoint before sharding: fine up to a few billion parameters."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.config.use_cache = False
+    if trainable:
+        model.train()
+    else:
+        model.eval().requires_grad_(False)
+    return shard_model(model, info)
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (pickled; a step's batches are token lists, small next to a model)."""
+    box = [obj]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def shutdown() -> None:

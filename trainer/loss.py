@@ -94,8 +94,12 @@ def ppo_loss(inp: PolicyInputs, p: PPOParams) -> tuple[Tensor, dict[str, Tensor]
     return loss, metrics
 
 
-def sft_loss(logprobs: Tensor, loss_mask: Tensor, token_weight: Tensor, normalizer: float,
-             ) -> tuple[Tensor, dict[str, Tensor]]:
+def sft_loss(
+    logprobs: Tensor,
+    loss_mask: Tensor,
+    token_weight: Tensor,
+    normalizer: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Negative log-likelihood of the loss tokens (assistant tokens), same aggregation as ppo_loss."""
     mask = loss_mask.float()
     nll = -logprobs
@@ -105,8 +109,9 @@ def sft_loss(logprobs: Tensor, loss_mask: Tensor, token_weight: Tensor, normaliz
     return loss, metrics
 
 
-def token_logprobs(logits: Tensor, targets: Tensor, temperature: Tensor,
-                   with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def token_logprobs(
+    logits: Tensor, targets: Tensor, temperature: Tensor, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """log softmax(logits / T)[target] per position, and optionally the entropy of that distribution.
 
     logits (B, T, V), targets (B, T) int, temperature (B, T) (one value per token, > 0).

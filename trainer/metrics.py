@@ -16,8 +16,13 @@ BAR_KEYS = ("reward_mean", "loss", "groups_accepted", "groups_filtered", "step_t
 
 
 class MetricsSink:
-    def __init__(self, out_dir: str | Path, enabled: bool = True, total_steps: int | None = None,
-                 tensorboard: bool = True) -> None:
+    def __init__(
+        self,
+        out_dir: str | Path,
+        enabled: bool = True,
+        total_steps: int | None = None,
+        tensorboard: bool = True,
+    ) -> None:
         self.enabled = enabled
         self.jsonl_path = Path(out_dir) / "metrics.jsonl"
         self._file = None
@@ -26,7 +31,7 @@ class MetricsSink:
         if not enabled:
             return
         self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.jsonl_path, "a", buffering=1)  # noqa: SIM115 (closed in close())
+        self._file = open(self.jsonl_path, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

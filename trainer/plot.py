@@ -24,8 +24,13 @@ def plot_rewards(jsonl_path: str | Path, png_path: str | Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, means, marker="o", ms=3, label="reward mean")
-    ax.fill_between(steps, [m - s for m, s in zip(means, stds, strict=True)],
-                    [m + s for m, s in zip(means, stds, strict=True)], alpha=0.2, label="± std")
+    ax.fill_between(
+        steps,
+        [m - s for m, s in zip(means, stds, strict=True)],
+        [m + s for m, s in zip(means, stds, strict=True)],
+        alpha=0.2,
+        label="± std",
+    )
     ax.set_xlabel("trainer step")
     ax.set_ylabel("session reward")
     ax.set_title("rollway: reward per step")

@@ -18,14 +18,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainer.batching import MicroBatch, Minibatch, collate
+from trainer.config import TrainConfig
 from trainer.loss import PolicyInputs, PPOParams, ppo_loss, sft_loss, token_logprobs
 
 LossFn = Callable[[int, int, MicroBatch, Tensor, float], tuple[Tensor, dict[str, Tensor]]]
 """(minibatch index, micro index, micro-batch, current logprobs, normalizer) -> (loss, metric sums)."""
 
 
-def forward_logprobs(model: nn.Module, mb: MicroBatch, with_entropy: bool = False,
-                     ) -> tuple[Tensor, Tensor | None]:
+def forward_logprobs(
+    model: nn.Module,
+    mb: MicroBatch,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     logits = model(input_ids=mb.input_ids, use_cache=False).logits  # (B, T, V)
     return token_logprobs(logits, mb.targets, mb.temperature, with_entropy)
 
@@ -50,9 +54,16 @@ def _all_reduce_sums(sums: dict[str, Tensor], device: torch.device) -> dict[str,
     return dict(zip(keys, vec.tolist(), strict=True))
 
 
-def run_minibatches(model: nn.Module, optimizer: torch.optim.Optimizer, plan: list[Minibatch],
-                    batches: list[list[MicroBatch]], loss_fn: LossFn, *, max_grad_norm: float,
-                    device: torch.device) -> dict[str, float]:
+def run_minibatches(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: list[Minibatch],
+    batches: list[list[MicroBatch]],
+    loss_fn: LossFn,
+    *,
+    max_grad_norm: float,
+    device: torch.device,
+) -> dict[str, float]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     sums: dict[str, Tensor] = {}
     grad_norms = []
@@ -75,8 +86,12 @@ def run_minibatches(model: nn.Module, optimizer: torch.optim.Optimizer, plan: li
         optimizer.step()
     out = _all_reduce_sums(sums, device)
     tokens = max(out.pop("tokens"), 1.0)
-    result = {"loss": out.pop("loss_sum") / max(len(plan), 1), "loss_tokens": tokens,
-              "padded_tokens": out.pop("padded_tokens"), "minibatches": float(len(plan))}
+    result = {
+        "loss": out.pop("loss_sum") / max(len(plan), 1),
+        "loss_tokens": tokens,
+        "padded_tokens": out.pop("padded_tokens"),
+        "minibatches": float(len(plan)),
+    }
     for k, v in out.items():
         result[k.removesuffix("_sum")] = v / tokens  # per loss token: entropy, kl, clipped, nll, ...
     if grad_norms:
@@ -84,39 +99,73 @@ def run_minibatches(model: nn.Module, optimizer: torch.optim.Optimizer, plan: li
     return result
 
 
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+    )
+
+
 def collate_plan(plan: list[Minibatch], device: torch.device) -> list[list[MicroBatch]]:
     return [[collate(rows, mb.loss_agg, device) for rows in mb.micro] for mb in plan]
 
 
-def rl_step(model: nn.Module, optimizer: torch.optim.Optimizer, plan: list[Minibatch], params: PPOParams, *,
-            max_grad_norm: float, device: torch.device, ref_model: nn.Module | None = None,
-            ) -> dict[str, float]:
+def rl_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: list[Minibatch],
+    params: PPOParams,
+    *,
+    max_grad_norm: float,
+    device: torch.device,
+    ref_model: nn.Module | None = None,
+) -> dict[str, float]:
     batches = collate_plan(plan, device)
     proximal = score_all(model, batches)  # pre-update weights, before the first optimizer step
     reference = score_all(ref_model, batches) if params.kl_coef > 0 and ref_model is not None else None
 
-    def loss_fn(i: int, j: int, mb: MicroBatch, logp: Tensor, normalizer: float,
-                ) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss_fn(
+        i: int,
+        j: int,
+        mb: MicroBatch,
+        logp: Tensor,
+        normalizer: float,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         inp = PolicyInputs(
-            logprobs=logp, proximal_logprobs=proximal[i][j], behaviour_logprobs=mb.behaviour_logprobs,
-            advantages=mb.advantages, loss_mask=mb.loss_mask,
+            logprobs=logp,
+            proximal_logprobs=proximal[i][j],
+            behaviour_logprobs=mb.behaviour_logprobs,
+            advantages=mb.advantages,
+            loss_mask=mb.loss_mask,
             token_weight=mb.token_weight,
-            normalizer=normalizer, ref_logprobs=None if reference is None else reference[i][j],
+            normalizer=normalizer,
+            ref_logprobs=None if reference is None else reference[i][j],
         )
         return ppo_loss(inp, params)
 
-    return run_minibatches(model, optimizer, plan, batches, loss_fn, max_grad_norm=max_grad_norm,
-                           device=device)
+    return run_minibatches(
+        model, optimizer, plan, batches, loss_fn, max_grad_norm=max_grad_norm, device=device
+    )
 
 
-def sft_step(model: nn.Module, optimizer: torch.optim.Optimizer, plan: list[Minibatch], *,
-             max_grad_norm: float, device: torch.device) -> dict[str, float]:
+def sft_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: list[Minibatch],
+    *,
+    max_grad_norm: float,
+    device: torch.device,
+) -> dict[str, float]:
     batches = collate_plan(plan, device)
 
-    def loss_fn(i: int, j: int, mb: MicroBatch, logp: Tensor, normalizer: float,
-                ) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss_fn(
+        i: int,
+        j: int,
+        mb: MicroBatch,
+        logp: Tensor,
+        normalizer: float,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         return sft_loss(logp, mb.loss_mask, mb.token_weight, normalizer)
 
-    return run_minibatches(model, optimizer, plan, batches, loss_fn, max_grad_norm=max_grad_norm,
-                           device=device)
-
+    return run_minibatches(
+        model, optimizer, plan, batches, loss_fn, max_grad_norm=max_grad_norm, device=device
+    )

@@ -1,0 +1,384 @@
+"""Continuous batching: one thread owns the model and steps every running request together.
+
+Each loop iteration runs the control calls posted since the last one (submit, abort, pause, continue,
+weight swap), prefills newly admitted requests one at a time (their first token comes from the prefill),
+merges them into the running batch, takes one decode step for all rows, and hands each request its new
+tokens. Requests join and leave between steps; nothing else touches the model, so no locks are needed.
+Results go back to the asyncio side as `Delta`s through `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.batch import DecodeBatch
+from engine.sampling import SamplingParams, adjust_logits, sample
+
+log = logging.getLogger(__name__)
+
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+
+LogprobEntry = tuple[float | None, int]
+TopEntry = list[tuple[float, int]] | None
+
+
+@dataclass
+class Delta:
+    """What one request gained in one scheduler iteration. `finish` is set on the last one."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[TopEntry] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    weight_version: str = "default"
+    input_logprobs: list[LogprobEntry] | None = None
+    input_top: list[TopEntry] | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class GenRequest:
+    """One generation as the scheduler sees it. `queue` lives on `loop`; the scheduler only posts to it."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Delta]
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: GenRequest
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    prefilled: bool = False
+    pending: Delta | None = None
+
+
+def load_model(path: str | Path) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
+
+
+class Scheduler:
+    """The model thread. Public methods are thread-safe and return futures resolved by that thread."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        eos_ids: set[int],
+        max_batch_size: int,
+        context_length: int,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_batch_size = max_batch_size
+        self.context_length = context_length
+        self.weight_version = "default"
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._waiting: deque[_Seq] = deque()
+        self._rows: list[_Seq] = []
+        self._batch = DecodeBatch()
+        self._paused = False
+        self._pending_swap: tuple[Callable[[], int], Future[Any]] | None = None
+        self._stopping = False
+        self._dirty: list[_Seq] = []
+        self._thread = threading.Thread(target=self._run, name="rollway-engine", daemon=True)
+
+    # ---- called from other threads ------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self._thread.is_alive() and not self._stopping:
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.call(self._request_stop).result(timeout=30)
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn` on the model thread between two steps."""
+        future: Future[Any] = Future()
+        self._calls.put((fn, future))
+        return future
+
+    def submit(self, req: GenRequest) -> None:
+        self.call(lambda: self._waiting.append(_Seq(req, req.params.make_generator())))
+
+    def abort(self, rid: str | None, *, exact: bool = False) -> Future[Any]:
+        """Abort requests whose rid starts with `rid` (or equals it); all of them when `rid` is None."""
+
+        def match(seq: _Seq) -> bool:
+            return rid is None or seq.req.rid == rid or (not exact and seq.req.rid.startswith(rid))
+
+        return self.call(lambda: self._abort(match))
+
+    def pause(self, mode: str) -> Future[Any]:
+        return self.call(lambda: self._pause(mode))
+
+    def resume(self) -> Future[Any]:
+        return self.call(lambda: setattr(self, "_paused", False))
+
+    def swap_model(self, model: PreTrainedModel, version: str | None, abort_all: bool) -> Future[Any]:
+        """Serve `model` from the next step on; resolves with the number of requests that were paused."""
+        future: Future[Any] = Future()
+
+        def swap() -> int:
+            paused = len(self._rows)
+            self.model = model
+            if version is not None:
+                self.weight_version = version
+            # The cache was computed with the old weights: running rows are prefilled again.
+            for seq in reversed(self._rows):
+                seq.prefilled = True
+                self._waiting.appendleft(seq)
+            self._rows, self._batch = [], DecodeBatch()
+            return paused
+
+        def register() -> None:
+            if abort_all:
+                self._abort(lambda s: True)
+            self._pending_swap = (swap, future)
+
+        self._calls.put((register, Future()))
+        return future
+
+    def busy(self) -> Future[Any]:
+        return self.call(lambda: bool(self._rows or self._waiting))
+
+    # ---- the model thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stopping:
+            self._run_calls(block=self._paused or not (self._rows or self._waiting))
+            if self._stopping or self._paused:
+                continue
+            try:
+                self._maybe_swap()
+                self._admit()
+                if self._rows:
+                    self._decode()
+            except Exception as exc:  # a bug in a step must not hang every client: fail them and go on
+                log.exception("engine step failed")
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+            self._flush()
+
+    def _request_stop(self) -> None:
+        self._stopping = True
+        self._abort(lambda s: True)
+        self._flush()
+
+    def _run_calls(self, block: bool) -> None:
+        try:
+            item = self._calls.get(timeout=None) if block else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # handed back to the caller, who decides
+                    future.set_exception(exc)
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+        self._flush()
+
+    def _pause(self, mode: str) -> None:
+        if mode == "abort":
+            self._abort(lambda s: True)
+        self._paused = True
+        if self._pending_swap is not None:
+            self._maybe_swap()
+
+    def _maybe_swap(self) -> None:
+        if self._pending_swap is None or (self._rows and not self._paused):
+            return
+        swap, future = self._pending_swap
+        self._pending_swap = None
+        future.set_result(swap())
+
+    def _abort(self, match: Callable[[_Seq], bool]) -> None:
+        for seq in [s for s in self._waiting if match(s)]:
+            self._waiting.remove(seq)
+            self._finish(seq, ABORTED if seq.output_ids else ABORTED_WAITING)
+        keep = [i for i, s in enumerate(self._rows) if not match(s)]
+        for seq in self._rows:
+            if match(seq):
+                self._finish(seq, ABORTED)
+        self._rows = [self._rows[i] for i in keep]
+        self._batch.keep(keep)
+
+    def _fail_all(self, message: str) -> None:
+        for seq in [*self._waiting, *self._rows]:
+            self._delta(seq).error = message
+            self._finish(seq, {"type": "abort", "message": message, "status_code": 500, "err_type": None})
+        self._waiting.clear()
+        self._rows, self._batch = [], DecodeBatch()
+
+    def _admit(self) -> None:
+        if self._pending_swap is not None:
+            return
+        caches: list[DynamicCache] = []
+        admitted: list[_Seq] = []
+        last_logits: list[torch.Tensor] = []
+        while self._waiting and len(self._rows) + len(admitted) < self.max_batch_size:
+            seq = self._waiting.popleft()
+            if seq.req.params.max_new_tokens == 0:
+                self._prefill(seq)
+                self._finish(seq, {"type": "length", "length": 0})
+                continue
+            cache, logits = self._prefill(seq)
+            caches.append(cache)
+            admitted.append(seq)
+            last_logits.append(logits)
+        if not admitted:
+            return
+        alive = self._take_step(admitted, torch.stack(last_logits))
+        self._batch.add([caches[i] for i in alive])
+        self._rows += [admitted[i] for i in alive]
+
+    def _prefill(self, seq: _Seq) -> tuple[DynamicCache, torch.Tensor]:
+        """Forward the whole sequence so far; return its cache and the logits at its last position."""
+        req = seq.req
+        ids = req.input_ids + seq.output_ids
+        want_input = req.return_logprob and req.logprob_start_len >= 0 and not seq.prefilled
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=torch.tensor([ids]),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if want_input else 1,
+        )
+        logits = out.logits[0].float()  # (T or 1, V)
+        if want_input:
+            self._input_logprobs(seq, logits)
+        seq.prefilled = True
+        return cache, logits[-1]
+
+    def _input_logprobs(self, seq: _Seq, logits: torch.Tensor) -> None:
+        req = seq.req
+        start = min(req.logprob_start_len, len(req.input_ids))
+        scaled = torch.log_softmax(logits[: len(req.input_ids) - 1] / req.params.logprob_temperature, dim=-1)
+        targets = torch.tensor(req.input_ids[1:])
+        values = scaled.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        entries: list[LogprobEntry] = [(None, req.input_ids[0]), *zip(values, req.input_ids[1:], strict=True)]
+        delta = self._delta(seq)
+        delta.input_logprobs = entries[start:]
+        if req.top_logprobs_num:
+            k = min(req.top_logprobs_num, scaled.shape[-1])
+            top_v, top_i = scaled.topk(k, dim=-1)
+            tops: list[TopEntry] = [None] + [
+                list(zip(v, i, strict=True)) for v, i in zip(top_v.tolist(), top_i.tolist(), strict=True)
+            ]
+            delta.input_top = tops[start:]
+
+    def _decode(self) -> None:
+        inputs = self._batch.step_inputs([s.output_ids[-1] for s in self._rows])
+        logits = self.model(**inputs).logits[:, -1, :]  # (B, V)
+        self._batch.stepped()
+        alive = self._take_step(self._rows, logits)
+        self._rows = [self._rows[i] for i in alive]
+        self._batch.keep(alive)
+
+    def _take_step(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
+        """Sample one token for each of `seqs` from `logits` (B, V); return the indices still running."""
+        params = [s.req.params for s in seqs]
+        banned = [
+            (self._stop_ids(s) if len(s.output_ids) < s.req.params.min_new_tokens else ()) for s in seqs
+        ]
+        logits = adjust_logits(logits.float(), params, [s.output_ids for s in seqs], banned)
+        top_n = [s.req.top_logprobs_num if s.req.return_logprob else 0 for s in seqs]
+        step = sample(logits, params, [s.generator for s in seqs], top_n)
+        alive = []
+        for i, seq in enumerate(seqs):
+            seq.output_ids.append(step.tokens[i])
+            delta = self._delta(seq)
+            delta.token_ids.append(step.tokens[i])
+            if seq.req.return_logprob:
+                delta.logprobs.append(step.logprobs[i])
+                if seq.req.top_logprobs_num:
+                    delta.top.append(step.top[i])
+            finish = self._check_finish(seq)
+            if finish is None:
+                alive.append(i)
+            else:
+                self._finish(seq, finish)
+        return alive
+
+    def _stop_ids(self, seq: _Seq) -> set[int]:
+        p = seq.req.params
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+
+    def _check_finish(self, seq: _Seq) -> dict[str, Any] | None:
+        p = seq.req.params
+        token, n = seq.output_ids[-1], len(seq.output_ids)
+        if n >= p.min_new_tokens and token in self._stop_ids(seq):
+            return {"type": "stop", "matched": token}
+        if p.stop and n >= p.min_new_tokens:
+            longest = max(len(s) for s in p.stop)
+            tail = self.tokenizer.decode(
+                seq.output_ids[-(4 * longest + 4) :], skip_special_tokens=p.skip_special_tokens
+            )
+            for stop in p.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        if n >= p.max_new_tokens or len(seq.req.input_ids) + n >= self.context_length:
+            return {"type": "length", "length": p.max_new_tokens}
+        return None
+
+    def _delta(self, seq: _Seq) -> Delta:
+        if seq.pending is None:
+            seq.pending = Delta()
+            self._dirty.append(seq)
+        return seq.pending
+
+    def _finish(self, seq: _Seq, reason: dict[str, Any]) -> None:
+        self._delta(seq).finish = reason
+
+    def _flush(self) -> None:
+        """Post every pending delta, one callback per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Delta], Delta]]] = {}
+        for seq in self._dirty:
+            if seq.pending is not None:
+                seq.pending.weight_version = self.weight_version
+                by_loop.setdefault(seq.req.loop, []).append((seq.req.queue, seq.pending))
+                seq.pending = None
+        self._dirty.clear()
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: its clients are gone
+                log.warning("dropping %d results for a closed event loop", len(items))
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Delta], Delta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)

@@ -1,0 +1,317 @@
+"""The engine's HTTP server: SGLang's native API (sglang-contract.md) on top of the batching scheduler.
+
+`create_app(model_dir)` loads the model and tokenizer and returns a FastAPI app; the model thread
+starts with the app's lifespan (or on the first request, for transports that skip the lifespan).
+`serve(model_dir)` runs it under uvicorn until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from transformers import AutoTokenizer, PreTrainedModel
+
+from engine.protocol import GenerateSpec, Result, parse_generate
+from engine.sampling import InvalidRequest, UnknownSamplingKey
+from engine.scheduler import GenRequest, Scheduler, load_model
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.5.23+rollway"  # the SGLang API level this engine speaks, PEP 440 local to mark it ours
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class Engine:
+    """The model, its tokenizer and the scheduler, plus what /model_info and /server_info report."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        served_model_name: str | None,
+        max_batch_size: int,
+        context_length: int | None,
+        incremental_streaming_output: bool,
+    ) -> None:
+        self.model_path = str(model_dir)
+        self.tokenizer_path = str(model_dir)
+        self.served_model_name = served_model_name or Path(model_dir).name
+        self.incremental_streaming_output = incremental_streaming_output
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        model = load_model(self.model_path)
+        self.context_length = context_length or int(model.config.get_text_config().max_position_embeddings)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_batch_size = max_batch_size
+        self.scheduler = Scheduler(
+            model,
+            self.tokenizer,
+            eos_ids=_eos_ids(model, self.tokenizer),
+            max_batch_size=max_batch_size,
+            context_length=self.context_length,
+        )
+
+    async def generate(self, spec: GenerateSpec) -> AsyncIterator[Result]:
+        """Yield the growing result after each batch of new tokens; abort the request if left early."""
+        self.scheduler.start()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        req = GenRequest(
+            rid=spec.rid,
+            input_ids=spec.input_ids,
+            params=spec.params,
+            loop=asyncio.get_running_loop(),
+            queue=queue,
+            return_logprob=spec.return_logprob,
+            top_logprobs_num=spec.top_logprobs_num,
+            logprob_start_len=spec.logprob_start_len,
+        )
+        result = Result(spec, self.tokenizer)
+        self.scheduler.submit(req)
+        try:
+            while not result.done:
+                result.add(await queue.get())
+                while not queue.empty():
+                    result.add(queue.get_nowait())
+                yield result
+        finally:
+            if not result.done:  # the client went away (or this task was cancelled)
+                self.scheduler.abort(spec.rid, exact=True)
+
+    async def collect(self, spec: GenerateSpec) -> Result:
+        final = Result(spec, self.tokenizer)
+        async with aclosing(self.generate(spec)) as stream:
+            async for partial in stream:
+                final = partial
+        return final
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.scheduler.weight_version,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
+            "served_model_name": self.served_model_name,
+            "context_length": self.context_length,
+            "max_req_input_len": self.context_length - 1,
+            "max_total_num_tokens": self.context_length * self.max_batch_size,
+            "max_running_requests": self.max_batch_size,
+            "incremental_streaming_output": self.incremental_streaming_output,
+            "skip_tokenizer_init": False,
+            "weight_version": self.scheduler.weight_version,
+            "version": VERSION,
+        }
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (model.generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
+        if source is not None:
+            ids.update(source if isinstance(source, list) else [source])
+    return ids
+
+
+def create_app(
+    model_dir: str | Path,
+    *,
+    served_model_name: str | None = None,
+    max_batch_size: int = 32,
+    context_length: int | None = None,
+    incremental_streaming_output: bool = False,
+) -> FastAPI:
+    engine = Engine(
+        model_dir,
+        served_model_name=served_model_name,
+        max_batch_size=max_batch_size,
+        context_length=context_length,
+        incremental_streaming_output=incremental_streaming_output,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.scheduler.start()
+        yield
+        await asyncio.to_thread(engine.scheduler.stop)
+
+    app = FastAPI(title="rollway engine", lifespan=lifespan)
+    app.state.engine = engine
+    _add_error_handlers(app)
+    _add_routes(app, engine)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(UnknownSamplingKey)
+    async def unknown_key(request: Request, exc: UnknownSamplingKey) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"invalid JSON body: {exc}") from exc
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _add_routes(app: FastAPI, engine: Engine) -> None:
+    scheduler = engine.scheduler
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        call = parse_generate(
+            await _json_body(request), engine.tokenizer, engine.context_length, engine.vocab_size
+        )
+        if call.stream:
+            return StreamingResponse(_sse(engine, call.specs[0]), media_type="text/event-stream")
+        work = asyncio.ensure_future(asyncio.gather(*(engine.collect(s) for s in call.specs)))
+        watch = asyncio.ensure_future(_until_disconnect(request))
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        watch.cancel()
+        if not work.done():  # client disconnected: cancelling aborts the requests
+            work.cancel()
+            with suppress(asyncio.CancelledError):
+                await work
+            return Response(status_code=499)
+        results: list[Result] = work.result()
+        for r in results:
+            if r.error is not None:
+                return JSONResponse({"error": {"message": r.error}}, status_code=500)
+        status = max((r.finish or {}).get("status_code") or 200 for r in results)
+        body = [r.response() for r in results]
+        return JSONResponse(body if call.batched else body[0], status_code=status)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await _json_body(request)
+        if body.get("abort_all"):
+            await asyncio.wrap_future(scheduler.abort(None))
+        elif body.get("rid"):
+            await asyncio.wrap_future(scheduler.abort(str(body["rid"])))
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> dict[str, str]:
+        mode = (await _json_body(request)).get("mode") or "abort"
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest(f"mode must be one of {', '.join(PAUSE_MODES)}")
+        await asyncio.wrap_future(scheduler.pause(mode))
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> dict[str, str]:
+        await asyncio.wrap_future(scheduler.resume())
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        path = body.get("model_path")
+        try:
+            if not path:
+                raise ValueError("model_path is required")
+            model = await asyncio.to_thread(load_model, path)
+        except Exception as exc:  # any unloadable checkpoint: refuse it and keep serving the old weights
+            message = f"Failed to update weights from {path!r}: {type(exc).__name__}: {exc}"
+            return JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, 400)
+        version = body.get("weight_version")
+        swap = scheduler.swap_model(
+            model, None if version is None else str(version), bool(body.get("abort_all_requests"))
+        )
+        paused = await asyncio.wrap_future(swap)
+        engine.model_path = str(path)
+        message = "Succeeded to update model weights."
+        return JSONResponse({"success": True, "message": message, "num_paused_requests": paused})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> dict[str, Any]:
+        body = await _json_body(request)
+        version = str(body["new_version"])
+        if body.get("abort_all_requests", True):
+            await asyncio.wrap_future(scheduler.abort(None))
+        await asyncio.wrap_future(scheduler.call(lambda: setattr(scheduler, "weight_version", version)))
+        return {"success": True, "message": "Weight version updated.", "new_version": version}
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return engine.model_info()
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return engine.server_info()
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, str]:
+        return {"weight_version": scheduler.weight_version}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        if await asyncio.wrap_future(scheduler.busy()):
+            return Response("Cache not flushed: requests are running.", status_code=400)
+        return Response("Cache flushed.", status_code=200)
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        scheduler.start()
+        return Response(status_code=200 if scheduler.alive else 503)
+
+
+async def _sse(engine: Engine, spec: GenerateSpec) -> AsyncIterator[str]:
+    async with aclosing(engine.generate(spec)) as stream:
+        async for result in stream:
+            if result.error is not None:
+                yield f"data: {json.dumps({'error': {'message': result.error}})}\n\n"
+                break
+            chunk = result.incremental_chunk() if engine.incremental_streaming_output else result.response()
+            yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def serve(
+    model_dir: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    served_model_name: str | None = None,
+    max_batch_size: int = 32,
+    log_level: str = "warning",
+    incremental_streaming_output: bool = False,
+    context_length: int | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn handles both and runs the lifespan shutdown)."""
+    app = create_app(
+        model_dir,
+        served_model_name=served_model_name,
+        max_batch_size=max_batch_size,
+        context_length=context_length,
+        incremental_streaming_output=incremental_streaming_output,
+    )
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,186 @@
+"""Which earlier turn a new chat request extends (design "Contract details": Continuity).
+
+Agents replay the conversation with every call, but rarely byte for byte: clients drop `null` fields,
+reorder keys, re-serialise tool-call arguments, send text as content parts, and drop `reasoning_content`
+(AReaL#1455/#1458). Messages are therefore compared in a canonical form that keeps only what the model
+saw: role, content text, tool-call names with parsed arguments, and tool_call_id.
+
+Deliberately ignored: `reasoning_content` (many clients strip it; the parent's own reply carries the
+reasoning the model produced, so nothing is lost), the ids of the assistant's tool calls (a client that
+renames them still links results through `tool_call_id`), and `name`.
+
+Reasons a request starts a new chain (`ParentChoice.reason`), taken from the candidate that shares the
+longest prefix with the request (the latest on ties):
+
+    first_turn        the session has no earlier turn to extend
+    different_tools   a turn would be a prefix, but it was called with other tools
+    edited_message    the request diverges from that turn at a message it changed
+    removed_message   the request left out messages that turn had (it skips ahead to a later one)
+    retried           the request is (a prefix of) that turn's messages with nothing new: a retry
+    no_prefix         no turn shares even the first message with the request
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+Reason = str
+
+
+class CanonicalMessage(NamedTuple):
+    role: str
+    content: str | tuple[str, ...]
+    """The text; content parts that are not text make it a tuple of canonical part JSON."""
+    tool_calls: tuple[tuple[str, str], ...]
+    """(name, arguments as canonical JSON) per call, in order."""
+    tool_call_id: str | None
+
+
+def _canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _get(obj: Any, key: str) -> Any:
+    """Dict access that also serves pydantic models (the route may pass either)."""
+    if isinstance(obj, dict):
+        return obj.get(key)
+    return getattr(obj, key, None)
+
+
+def _content(content: Any) -> str | tuple[str, ...]:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = [p if isinstance(p, dict) else p.model_dump(exclude_none=True) for p in content]
+    if all(p.get("type") == "text" for p in parts):
+        return "".join(p.get("text") or "" for p in parts)
+    return tuple(_canonical_json(_drop_none(p)) for p in parts)
+
+
+def _arguments(arguments: Any) -> str:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return "raw:" + arguments  # not JSON: only the identical string is equal
+    return _canonical_json(arguments)
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def canonical_message(msg: Any) -> CanonicalMessage:
+    """The comparable, hashable form of one OpenAI-form message (dict or pydantic model)."""
+    calls = []
+    for call in _get(msg, "tool_calls") or ():
+        fn = _get(call, "function") or call
+        calls.append((str(_get(fn, "name")), _arguments(_get(fn, "arguments"))))
+    return CanonicalMessage(
+        role=str(_get(msg, "role")),
+        content=_content(_get(msg, "content")),
+        tool_calls=tuple(calls),
+        tool_call_id=_get(msg, "tool_call_id"),
+    )
+
+
+def messages_equal(a: Any, b: Any) -> bool:
+    return canonical_message(a) == canonical_message(b)
+
+
+def canonical_tools(tools: Sequence[Any] | None) -> str:
+    """Tools compare by JSON with sorted keys and nulls dropped; `None` equals `[]`. Order matters:
+    the template renders the tools in the order given."""
+    dumped = [t if isinstance(t, dict) else t.model_dump() for t in tools or ()]
+    return _canonical_json(_drop_none(dumped))
+
+
+@dataclass(eq=False)
+class Candidate:
+    """An earlier turn: its request messages followed by its reply as an assistant message."""
+
+    turn_id: str
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None
+    created_order: int
+    _canon: tuple[CanonicalMessage, ...] | None = field(default=None, init=False, repr=False)
+    _tools: str | None = field(default=None, init=False, repr=False)
+
+    def canonical(self) -> tuple[CanonicalMessage, ...]:
+        """Computed once per candidate; the session cache keeps candidates across calls."""
+        if self._canon is None:
+            self._canon = tuple(canonical_message(m) for m in self.messages)
+        return self._canon
+
+    def canonical_tools(self) -> str:
+        if self._tools is None:
+            self._tools = canonical_tools(self.tools)
+        return self._tools
+
+
+@dataclass(frozen=True, slots=True)
+class ParentChoice:
+    parent_turn_id: str | None
+    reason: Reason | None
+    """None when extending the parent; else why a new chain starts (see the module docstring)."""
+
+
+def _shared_prefix(a: Sequence[CanonicalMessage], b: Sequence[CanonicalMessage]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _near_miss_reason(cand: Sequence[CanonicalMessage], new: Sequence[CanonicalMessage], k: int) -> Reason:
+    """Why `cand`, sharing `k` leading messages with `new`, is not a parent of it."""
+    if k == len(cand) and len(new) > k:
+        return "different_tools"  # a strict prefix: only the tools can have kept it out
+    if k == len(new):
+        return "retried"
+    if k == 0:
+        return "no_prefix"
+    if new[k] in cand[k + 1 :]:
+        return "removed_message"
+    return "edited_message"
+
+
+def choose_parent(
+    candidates: Sequence[Candidate], new_messages: Sequence[Any], tools: Sequence[Any] | None
+) -> ParentChoice:
+    """The candidate whose messages are the longest strict prefix of `new_messages` (latest on ties)
+    among those called with the same tools; else no parent and the reason of the best near miss.
+
+    Linear in the number of messages over all candidates (each message is compared at most once;
+    canonical forms of candidates are cached on them).
+    """
+    if not candidates:
+        return ParentChoice(None, "first_turn")
+    new = tuple(canonical_message(m) for m in new_messages)
+    tools_key = canonical_tools(tools)
+    best: tuple[int, int, Candidate] | None = None  # (prefix length, created_order, candidate)
+    miss: tuple[int, int, Reason] | None = None
+    for cand in candidates:
+        msgs = cand.canonical()
+        k = _shared_prefix(msgs, new)
+        same_tools = cand.canonical_tools() == tools_key
+        if k == len(msgs) and len(new) > k and same_tools:
+            if best is None or (k, cand.created_order) > best[:2]:
+                best = (k, cand.created_order, cand)
+        elif best is None:
+            key = (k, cand.created_order)
+            if miss is None or key > miss[:2]:
+                miss = (*key, _near_miss_reason(msgs, new, k))
+    if best is not None:
+        return ParentChoice(best[2].turn_id, None)
+    assert miss is not None
+    return ParentChoice(None, miss[2])

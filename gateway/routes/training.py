@@ -1,0 +1,95 @@
+"""Trainer-facing REST (admin): leases of complete groups, renew, ack; weight publish and read."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.auth import admin
+from gateway.routes.common import json_response, read_body
+from gateway.store.leases import LeaseRequest
+
+router = APIRouter()
+
+
+class LeaseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_groups: int = Field(default=8, ge=1, le=4096)
+    lease_seconds: float = Field(default=600.0, gt=0, le=86400)
+    wait_seconds: float = Field(default=0.0, ge=0, le=600)
+    groups_per_step: int | None = Field(default=None, ge=1)
+    max_head_offpolicyness: int | None = Field(default=None, ge=-1)
+    trainer_version: int | None = Field(default=None, ge=0)
+
+
+class RenewBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lease_seconds: float = Field(default=600.0, gt=0, le=86400)
+
+
+class AckBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    results: dict[str, str] = Field(default_factory=dict)
+
+
+class PublishBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=1)
+    model_path: str = Field(min_length=1)
+    batch_id: str | None = None
+    results: dict[str, str] = Field(default_factory=dict)
+
+
+@router.post("/v1/batches")
+async def lease(request: Request) -> Response:
+    await admin(request)
+    body = await read_body(request, LeaseBody)
+    leases = request.app.state.leases
+    req = LeaseRequest(body.max_groups, body.lease_seconds, body.groups_per_step, body.max_head_offpolicyness,
+                       body.trainer_version)
+    deadline = time.monotonic() + body.wait_seconds
+    stale_total = 0
+    while True:
+        batch_id, expires, groups, stale = await leases.lease(req)
+        stale_total += stale
+        if stale:
+            request.app.state.metrics.stale_dropped.inc(stale)
+        if groups or time.monotonic() >= deadline or await request.is_disconnected():
+            break
+        await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+    return json_response({"batch_id": batch_id, "expires_at": expires, "groups": groups, "dropped_stale": stale_total})
+
+
+@router.post("/v1/batches/{batch_id}/renew")
+async def renew(request: Request, batch_id: str) -> Response:
+    await admin(request)
+    body = await read_body(request, RenewBody)
+    expires = await request.app.state.leases.renew(batch_id, body.lease_seconds)
+    return json_response({"batch_id": batch_id, "expires_at": expires})
+
+
+@router.post("/v1/batches/{batch_id}/ack")
+async def ack(request: Request, batch_id: str) -> Response:
+    await admin(request)
+    body = await read_body(request, AckBody)
+    await request.app.state.leases.ack(batch_id, body.results)
+    return json_response({"batch_id": batch_id, "state": "acked"})
+
+
+@router.post("/v1/weights")
+async def publish(request: Request) -> Response:
+    await admin(request)
+    body = await read_body(request, PublishBody)
+    out = await request.app.state.publisher.publish(body.version, body.model_path, body.batch_id, body.results)
+    return json_response(out)
+
+
+@router.get("/v1/weights")
+async def current(request: Request) -> Response:
+    await admin(request)
+    version, path = await request.app.state.leases.current_weights()
+    return json_response({"version": version, "model_path": path})

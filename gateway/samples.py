@@ -1,0 +1,85 @@
+"""Training samples from stored turns (the wire format of design "Leases and samples").
+
+Per session, turns that extend each other form one sequence: the leaves of the session's turn tree are
+its sequences, and each turn's completion carries loss mask 1 in exactly one of them (the first leaf that
+contains it), so a branch point is never trained twice. A broken chain starts a new sequence, never a
+silent all-zero mask. Returns are the session reward, or per-turn rewards discounted backwards with
+gamma when any turn carries one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.store.store import TurnRow
+from gateway.wire import encode_array, unpack
+
+
+@dataclass(slots=True)
+class Sequence:
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    returns: list[float]
+    temperature: float
+
+    def wire(self, group_id: str, session_id: str, reward: float | None) -> dict[str, Any]:
+        return {
+            "group_id": group_id, "session_id": session_id, "reward": reward, "temperature": self.temperature,
+            "token_ids": encode_array(self.token_ids, "int32"),
+            "loss_mask": encode_array(self.loss_mask, "uint8"),
+            "logprobs": encode_array(self.logprobs, "float32"),
+            "versions": encode_array(self.versions, "int32"),
+            "returns": encode_array(self.returns, "float32"),
+        }
+
+    @property
+    def oldest_version(self) -> int | None:
+        vs = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        return min(vs) if vs else None
+
+
+def turn_returns(chain: list[TurnRow], session_reward: float | None, gamma: float) -> list[float]:
+    """Per turn of one chain: the discounted sum of later per-turn rewards, else the session reward."""
+    if not any(t.reward is not None for t in chain):
+        return [float(session_reward or 0.0)] * len(chain)
+    out = [0.0] * len(chain)
+    acc = 0.0
+    for i in range(len(chain) - 1, -1, -1):
+        acc = float(chain[i].reward or 0.0) + gamma * acc
+        out[i] = acc
+    return out
+
+
+def session_sequences(rows: list[TurnRow], session_reward: float | None, gamma: float) -> list[Sequence]:
+    by_id = {r.id: r for r in rows}
+    extended = {r.parent_id for r in rows if r.parent_id}
+    leaves = [r for r in rows if r.id not in extended]
+    trained: set[str] = set()
+    out: list[Sequence] = []
+    for leaf in leaves:
+        chain: list[TurnRow] = []
+        node: TurnRow | None = leaf
+        while node is not None:
+            chain.append(node)
+            node = by_id.get(node.parent_id) if node.parent_id else None
+        chain.reverse()
+        rets = turn_returns(chain, session_reward, gamma)
+        seq = Sequence([], [], [], [], [], chain[0].temperature)
+        for i, turn in enumerate(chain):
+            delta: list[int] = unpack(turn.prompt_ids, "int32")  # type: ignore[assignment]
+            completion: list[int] = unpack(turn.completion_ids, "int32")  # type: ignore[assignment]
+            n = len(completion)
+            # A client-disconnected partial is trained only when a later turn extends it (design).
+            learn = turn.id not in trained and (not turn.client_disconnected or i < len(chain) - 1)
+            trained.add(turn.id)
+            seq.token_ids += delta + completion
+            seq.loss_mask += [0] * len(delta) + [1 if learn else 0] * n
+            seq.logprobs += [0.0] * len(delta) + (unpack(turn.logprobs, "float32") if learn else [0.0] * n)  # type: ignore[operator]
+            seq.versions += [-1] * len(delta) + (unpack(turn.versions, "int32") if learn else [-1] * n)  # type: ignore[operator]
+            seq.returns += [0.0] * len(delta) + [rets[i] if learn else 0.0] * n
+        if any(seq.loss_mask):
+            out.append(seq)
+    return out

@@ -1,0 +1,430 @@
+"""Async client for one SGLang server's native HTTP API (the subset in docs/sglang-contract.md).
+
+One `SGLangClient` per server; all of them share one `aiohttp.ClientSession` made by `new_session()`
+(aiohttp keeps a proxied request near 0.3 ms of gateway CPU, several times less than httpx).
+
+Exceptions (the pool fails over on `BackendUnavailable`; the app maps the rest to HTTP in one place):
+
+    BackendError              the server answered something this client cannot read (bad JSON, a batch)
+    ├── BackendUnavailable    connection refused/reset, timeout, truncated body or stream, 5xx, 408, 429:
+    │                         the server is the problem; retry the request on another backend
+    └── BackendRejected       any other 4xx, an SSE `error` event, `success: false`: the request itself
+                              is bad and fails the same way anywhere. `.status`, `.message` (the server's)
+
+`gateway.pool.NoBackendAvailable` (a BackendError too) means every backend was tried.
+
+Streaming is normalized: whether a server streams cumulative chunks (the default) or deltas
+(`--incremental-streaming-output`, in some versions with cumulative logprobs), `generate_stream` yields
+only the new tokens of each chunk. The mode is read per chunk and per list from
+`meta_info.completion_tokens`, which is cumulative in both modes. `text` is never read: servers run with
+`--skip-tokenizer-init` send none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import aiohttp
+import orjson
+
+__all__ = [
+    "BackendError",
+    "BackendRejected",
+    "BackendUnavailable",
+    "GenChunk",
+    "GenResult",
+    "PauseMode",
+    "SGLangClient",
+    "new_session",
+]
+
+PauseMode = Literal["abort", "retract", "in_place"]
+_JSON_HEADERS = {"Content-Type": "application/json"}
+# Transport failures that say nothing about the request: another backend may well succeed.
+_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
+
+
+class BackendError(Exception):
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class BackendUnavailable(BackendError):
+    pass
+
+
+class BackendRejected(BackendError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message, status)
+
+
+@dataclass(slots=True)
+class GenResult:
+    """One finished (or aborted) generation. Logprob lists are as long as `output_ids`."""
+
+    output_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    """Per output position: (token id, logprob) pairs, best first; [] where the server sent null."""
+    finish_reason: dict[str, Any] | None
+    """SGLang's raw dict: {"type": "stop"|"length"|"abort", "matched"|"length"|"message": ...}."""
+    weight_version: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    rid: str
+
+    @property
+    def finish_type(self) -> str | None:
+        return None if self.finish_reason is None else self.finish_reason.get("type")
+
+
+@dataclass(slots=True)
+class GenChunk(GenResult):
+    """One streamed step: only the tokens that are new since the previous chunk (possibly none).
+    `finish_reason` is set on the last chunk only."""
+
+
+_R = TypeVar("_R", bound=GenResult)
+
+
+def new_session(*, max_connections: int = 0, keepalive_s: float = 75.0) -> aiohttp.ClientSession:
+    """The shared session for every SGLangClient of a process (call inside the running loop).
+
+    aiohttp's default connector allows 100 connections in all, far below the concurrent streams of a
+    gateway serving thousands of agents; 0 = no limit (the backends queue requests themselves)."""
+    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=keepalive_s)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+
+
+class SGLangClient:
+    """Client for one server. `connect_timeout` bounds connecting, `read_timeout` each wait for bytes
+    of a generation (long: one reply can take minutes), `control_timeout` a whole control call,
+    `health_timeout` one health probe."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        *,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 600.0,
+        control_timeout: float = 60.0,
+        health_timeout: float = 5.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self._session = session
+        self._connect_timeout = connect_timeout
+        self._gen_timeout = self._read_timeout(read_timeout)
+        self._control_timeout = aiohttp.ClientTimeout(total=control_timeout, sock_connect=connect_timeout)
+        self._health_timeout = aiohttp.ClientTimeout(total=health_timeout, sock_connect=connect_timeout)
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.url!r})"
+
+    def _read_timeout(self, read_timeout: float | None) -> aiohttp.ClientTimeout:
+        if read_timeout is None:
+            return self._gen_timeout
+        return aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout, sock_read=read_timeout)
+
+    # -- generation --------------------------------------------------------------------------------
+
+    async def generate(self, payload: dict[str, Any], *, read_timeout: float | None = None) -> GenResult:
+        """POST /generate for one prompt (flat `input_ids`, n = 1). An abort partial comes back as a
+        result with `finish_type == "abort"`, not as an error."""
+        body = {**payload, "stream": False}
+        data = await self._call("POST", "/generate", body, self._read_timeout(read_timeout))
+        obj = _loads(data, "/generate")
+        if not isinstance(obj, dict):
+            raise BackendError("/generate answered a list: send one prompt with n = 1")
+        return _parse(obj, GenResult)
+
+    async def generate_stream(
+        self, payload: dict[str, Any], *, read_timeout: float | None = None
+    ) -> AsyncGenerator[GenChunk, None]:
+        """POST /generate with `stream: true`, yielding normalized increments.
+
+        Closing the iterator early (`aclose()`, or leaving `contextlib.aclosing`) closes the
+        connection, which makes SGLang abort the request."""
+        body = {**payload, "stream": True}
+        timeout = self._read_timeout(read_timeout)
+        try:
+            resp = await self._session.post(
+                self.url + "/generate", data=orjson.dumps(body), headers=_JSON_HEADERS, timeout=timeout
+            )
+        except _TRANSPORT_ERRORS as e:
+            raise BackendUnavailable(f"{self.url}/generate: {e!r}") from e
+        clean = False
+        try:
+            if resp.status >= 400:
+                raise _status_error(resp.status, await _read_quietly(resp), self.url + "/generate")
+            events = _SSEReader(resp, self.url)
+            delta = _Delta()
+            finished = False
+            while (data := await events.next()) is not None:
+                if data == b"[DONE]":
+                    clean = await events.drain()
+                    return
+                obj = _loads(data, "/generate stream")
+                if "error" in obj:
+                    raise _event_error(obj)
+                chunk = delta.step(obj)
+                finished = chunk.finish_reason is not None
+                yield chunk
+            if not finished:
+                raise BackendUnavailable(f"{self.url}/generate: stream ended before the last chunk")
+        finally:
+            # An unfinished stream must not go back to the pool: closing it aborts the request.
+            if clean:
+                resp.release()
+            else:
+                resp.close()
+
+    # -- control -----------------------------------------------------------------------------------
+
+    async def abort(self, rid: str, *, abort_all: bool = False) -> None:
+        """Abort requests whose rid starts with `rid` (or all of them)."""
+        await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        await self._call("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_(self) -> None:
+        await self._call("POST", "/continue_generation", {})
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str, *, flush_cache: bool = True, abort_all_requests: bool = False
+    ) -> None:
+        """Load an HF folder readable by the server. Raises BackendRejected on `success: false`."""
+        body = {
+            "model_path": model_path,
+            "load_format": None,
+            "abort_all_requests": abort_all_requests,
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+        }
+        # Loading may take minutes, and an unpaused server first waits for its in-flight requests.
+        obj = _loads(await self._call("POST", "/update_weights_from_disk", body, self._gen_timeout), "update")
+        if not (isinstance(obj, dict) and obj.get("success")):
+            raise BackendRejected(200, _error_message(orjson.dumps(obj)))
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._get_json("/model_info", "/get_model_info")
+
+    async def server_info(self) -> dict[str, Any]:
+        return await self._get_json("/server_info", "/get_server_info")
+
+    async def health(self) -> bool:
+        """True iff GET /health answers 200; never raises for an unreachable server."""
+        try:
+            async with self._session.get(self.url + "/health", timeout=self._health_timeout) as resp:
+                await resp.read()
+                return resp.status == 200
+        except _TRANSPORT_ERRORS:  # recovery: an unreachable server is simply not healthy
+            return False
+
+    async def flush_cache(self) -> bool:
+        """Flush the prefix cache. False when the server refused because requests are running."""
+        try:
+            await self._call("POST", "/flush_cache", None)
+        except BackendRejected as e:
+            if e.status == 400:
+                return False
+            raise
+        return True
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    async def _get_json(self, path: str, legacy_path: str) -> dict[str, Any]:
+        try:
+            data = await self._call("GET", path, None)
+        except BackendRejected as e:
+            if e.status != 404:
+                raise
+            data = await self._call("GET", legacy_path, None)  # servers before the rename
+        obj = _loads(data, path)
+        if not isinstance(obj, dict):
+            raise BackendError(f"{self.url}{path}: expected a JSON object")
+        return obj
+
+    async def _call(
+        self, method: str, path: str, body: Any, timeout: aiohttp.ClientTimeout | None = None
+    ) -> bytes:
+        """One request; returns the body of a 2xx answer, raises the mapped error otherwise."""
+        url = self.url + path
+        data = None if body is None else orjson.dumps(body)
+        try:
+            async with self._session.request(
+                method, url, data=data, headers=_JSON_HEADERS, timeout=timeout or self._control_timeout
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except _TRANSPORT_ERRORS as e:
+            raise BackendUnavailable(f"{url}: {e!r}") from e
+        if status >= 400:
+            raise _status_error(status, raw, url)
+        return raw
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+
+
+class _SSEReader:
+    """Splits an event stream into `data:` payloads. Events can be far longer than aiohttp's line
+    limit (a cumulative chunk carries every logprob so far), so this buffers by itself."""
+
+    __slots__ = ("_buf", "_eof", "_resp", "_url")
+
+    def __init__(self, resp: aiohttp.ClientResponse, url: str) -> None:
+        self._resp = resp
+        self._url = url
+        self._buf = bytearray()
+        self._eof = False
+
+    async def next(self) -> bytes | None:
+        """The next event's data, or None at the end of the body."""
+        while True:
+            end = self._buf.find(b"\n\n")
+            if end < 0 and self._eof:
+                end = len(self._buf)
+                if end == 0:
+                    return None
+            if end >= 0:
+                event = bytes(self._buf[:end])
+                del self._buf[: end + 2]
+                data = _event_data(event)
+                if data is not None:
+                    return data
+                continue
+            try:
+                piece = await self._resp.content.readany()
+            except _TRANSPORT_ERRORS as e:
+                raise BackendUnavailable(f"{self._url}/generate: stream broken: {e!r}") from e
+            if piece:
+                self._buf += piece
+            else:
+                self._eof = True
+
+    async def drain(self) -> bool:
+        """Read to the end of the body so the connection can be reused; False if that failed."""
+        try:
+            await self._resp.content.read()
+        except _TRANSPORT_ERRORS:  # recovery: the stream is complete; only connection reuse is lost
+            return False
+        return True
+
+
+def _event_data(event: bytes) -> bytes | None:
+    lines = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+class _Delta:
+    """Turns cumulative or incremental stream chunks into increments (see the module docstring)."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def step(self, obj: dict[str, Any]) -> GenChunk:
+        try:
+            total = int(obj["meta_info"]["completion_tokens"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BackendError(f"stream chunk without meta_info.completion_tokens: {e!r}") from e
+        new = total - self.seen
+        if new < 0:
+            raise BackendError(f"completion_tokens went back from {self.seen} to {total}")
+        chunk = _parse(obj, GenChunk, total=total, new=new)
+        self.seen = total
+        return chunk
+
+
+def _tail(items: list[Any], total: int | None, new: int | None, what: str) -> list[Any]:
+    """The last `new` items of a cumulative list, or the whole of an incremental one."""
+    if total is None or new is None or len(items) == new:
+        return items
+    if len(items) == total:
+        return items[total - new :]
+    raise BackendError(f"stream chunk has {len(items)} {what} for {total} tokens of which {new} are new")
+
+
+def _parse(obj: dict[str, Any], cls: type[_R], *, total: int | None = None, new: int | None = None) -> _R:
+    try:
+        meta = obj["meta_info"]
+        ids = _tail(obj["output_ids"], total, new, "output_ids")
+        lp = meta.get("output_token_logprobs")
+        logprobs = None if lp is None else [float(t[0]) for t in _tail(lp, total, new, "logprobs")]
+        top = meta.get("output_top_logprobs")
+        top_logprobs = (
+            None
+            if top is None
+            else [[(int(t[1]), float(t[0])) for t in row] if row else [] for row in _tail(top, total, new, "top")]
+        )
+        version = meta.get("weight_version")
+        return cls(
+            output_ids=[int(t) for t in ids],
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            finish_reason=meta.get("finish_reason"),
+            weight_version=None if version is None else str(version),
+            prompt_tokens=int(meta.get("prompt_tokens") or 0),
+            cached_tokens=int(meta.get("cached_tokens") or 0),
+            rid=str(meta.get("id", "")),
+        )
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise BackendError(f"malformed /generate answer: {e!r}") from e
+
+
+def _loads(data: bytes, where: str) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise BackendError(f"{where}: not JSON: {data[:200]!r}") from e
+
+
+def _error_message(body: bytes) -> str:
+    """The message of any of SGLang's error shapes: {"error": {"message"}}, {"error": "<text>"},
+    {"object": "error", "message", "code"}, FastAPI's {"detail"}, or the body as text."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body[:2000].decode("utf-8", "replace").strip()
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        for key in ("message", "detail"):
+            if key in obj:
+                return obj[key] if isinstance(obj[key], str) else orjson.dumps(obj[key]).decode()
+    return orjson.dumps(obj).decode()[:2000]
+
+
+def _status_error(status: int, body: bytes, url: str) -> BackendError:
+    message = _error_message(body)
+    if status >= 500 or status in (408, 429):  # the server is busy or broken, not the request
+        return BackendUnavailable(f"{url}: HTTP {status}: {message}", status)
+    return BackendRejected(status, message)
+
+
+def _event_error(obj: dict[str, Any]) -> BackendError:
+    """An `error` event: SGLang sends it for what a non-streaming call answers with 400."""
+    err = obj["error"]
+    code = err.get("code") if isinstance(err, dict) else obj.get("code")
+    status = code if isinstance(code, int) and code >= 400 else 400
+    message = _error_message(orjson.dumps(obj))
+    if status >= 500 or status in (408, 429):
+        return BackendUnavailable(f"stream error {status}: {message}", status)
+    return BackendRejected(status, message)
+
+
+async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except _TRANSPORT_ERRORS:  # recovery: the status alone decides the error
+        return b""

@@ -1,0 +1,215 @@
+"""Leases of complete groups to trainers, staleness admission, and the weight-version state.
+
+Everything a second gateway process needs is in the store: leases expire by time, admission counts are
+recomputed from rows (never a counter kept only in memory: AReaL#1388), the current version is a row.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, func, select, update
+
+from gateway.errors import Conflict, NotFound
+from gateway.samples import session_sequences
+from gateway.store.models import Batch, Group, Session, Setting, WeightState
+from gateway.store.store import Store, new_id
+
+G, S, B = Group.__table__, Session.__table__, Batch.__table__
+W, KV = WeightState.__table__, Setting.__table__
+COUNTED = ("open", "complete", "leased", "trained")
+
+
+@dataclass(slots=True)
+class LeaseRequest:
+    max_groups: int
+    lease_seconds: float
+    groups_per_step: int | None
+    max_head_offpolicyness: int | None
+    trainer_version: int | None
+
+
+class Leases:
+    def __init__(self, store: Store, gamma: float) -> None:
+        self.store = store
+        self.engine = store.engine
+        self.gamma = gamma
+
+    # --- weight versions -------------------------------------------------------------------------
+
+    async def current_weights(self) -> tuple[int, str | None]:
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(select(W.c.version, W.c.model_path).order_by(W.c.version.desc()).limit(1))).first()
+        return (int(row.version), row.model_path) if row else (0, None)
+
+    async def publish(self, version: int, model_path: str, batch_id: str | None, results: dict[str, str],
+                      failed: dict[str, str]) -> None:
+        """Bump the version and ack the batch in one transaction."""
+        async with self.engine.begin() as conn:
+            cur = (await conn.execute(select(func.max(W.c.version)))).scalar() or 0
+            if version <= cur:
+                raise Conflict(f"version {version} is not newer than the current version {cur}", param="version")
+            await conn.execute(W.insert().values(version=version, model_path=model_path, batch_id=batch_id,
+                                                 published_at=time.time(), failed_backends=failed or None))
+            if batch_id:
+                await self._ack(conn, batch_id, results, version)
+
+    async def check_publishable(self, version: int, batch_id: str | None) -> None:
+        cur, _ = await self.current_weights()
+        if version <= cur:
+            raise Conflict(f"version {version} is not newer than the current version {cur}", param="version")
+        if batch_id:
+            await self._live_batch(batch_id)
+
+    # --- leases ----------------------------------------------------------------------------------
+
+    async def expire(self) -> int:
+        now = time.time()
+        async with self.engine.begin() as conn:
+            ids = (await conn.execute(select(B.c.id).where(and_(B.c.state == "leased", B.c.expires_at < now)))).scalars().all()
+            if not ids:
+                return 0
+            await conn.execute(update(B).where(B.c.id.in_(ids)).values(state="expired"))
+            res = await conn.execute(
+                update(G).where(and_(G.c.batch_id.in_(ids), G.c.state == "leased")).values(state="complete", batch_id=None)
+            )
+            return int(res.rowcount or 0)
+
+    async def lease(self, req: LeaseRequest) -> tuple[str | None, float, list[dict[str, Any]], int]:
+        """(batch_id, expires_at, groups with samples, groups dropped as stale)."""
+        await self.expire()
+        await self._remember_params(req)
+        version = req.trainer_version if req.trainer_version is not None else (await self.current_weights())[0]
+        batch_id = new_id("batch_")
+        now = time.time()
+        expires = now + req.lease_seconds
+        async with self.engine.begin() as conn:
+            cands = (
+                await conn.execute(
+                    select(G.c.id).where(and_(G.c.state == "complete", G.c.is_eval.is_(False)))
+                    .order_by(G.c.completed_at).limit(req.max_groups)
+                )
+            ).scalars().all()
+            if not cands:
+                return None, 0.0, [], 0
+            # Conditional update: a concurrent leaser (another gateway) can't take the same group.
+            await conn.execute(
+                update(G).where(and_(G.c.id.in_(cands), G.c.state == "complete")).values(state="leased", batch_id=batch_id)
+            )
+            await conn.execute(B.insert().values(id=batch_id, state="leased", created_at=now, expires_at=expires,
+                                                 trainer_version=version))
+        groups, stale = [], []
+        for gid in cands:
+            g = await self._group_samples(gid, batch_id)
+            if g is None:
+                continue
+            oldest = min((s["_oldest"] for s in g["samples"] if s["_oldest"] is not None), default=None)
+            eta = req.max_head_offpolicyness
+            if eta is not None and eta >= 0 and oldest is not None and version - oldest > eta:
+                stale.append(gid)
+                continue
+            for s in g["samples"]:
+                del s["_oldest"]
+            groups.append(g)
+        if stale:
+            async with self.engine.begin() as conn:
+                await conn.execute(update(G).where(G.c.id.in_(stale)).values(state="dropped", drop_reason="stale"))
+        if not groups:
+            async with self.engine.begin() as conn:
+                await conn.execute(update(B).where(B.c.id == batch_id).values(state="acked"))
+            return None, 0.0, [], len(stale)
+        return batch_id, expires, groups, len(stale)
+
+    async def _group_samples(self, group_id: str, batch_id: str) -> dict[str, Any] | None:
+        async with self.engine.connect() as conn:
+            g = (await conn.execute(select(G.c.task, G.c.batch_id).where(G.c.id == group_id))).first()
+            if g is None or g.batch_id != batch_id:
+                return None
+            sessions = (
+                await conn.execute(select(S.c.id, S.c.reward, S.c.state).where(S.c.group_id == group_id).order_by(S.c.replica))
+            ).all()
+        samples: list[dict[str, Any]] = []
+        for s in sessions:
+            if s.state != "finished":
+                continue
+            for seq in session_sequences(await self.store.session_turns(s.id), s.reward, self.gamma):
+                wire = seq.wire(group_id, s.id, s.reward)
+                wire["_oldest"] = seq.oldest_version
+                samples.append(wire)
+        return {
+            "group_id": group_id, "task": g.task, "samples": samples,
+            "sessions": [{"session_id": s.id, "reward": s.reward, "state": s.state} for s in sessions],
+        }
+
+    async def renew(self, batch_id: str, lease_seconds: float) -> float:
+        await self.expire()
+        expires = time.time() + lease_seconds
+        async with self.engine.begin() as conn:
+            await self._live_batch(batch_id, conn)
+            await conn.execute(update(B).where(B.c.id == batch_id).values(expires_at=expires))
+        return expires
+
+    async def ack(self, batch_id: str, results: dict[str, str]) -> None:
+        async with self.engine.begin() as conn:
+            await self._ack(conn, batch_id, results, None)
+
+    async def _ack(self, conn: Any, batch_id: str, results: dict[str, str], version: int | None) -> None:
+        await self._live_batch(batch_id, conn)
+        gids = (await conn.execute(select(G.c.id).where(G.c.batch_id == batch_id))).scalars().all()
+        unknown = set(results) - set(gids)
+        if unknown:
+            raise Conflict(f"groups {sorted(unknown)[:3]} are not in batch {batch_id}", param="results")
+        for gid in gids:
+            outcome = results.get(gid, "trained")
+            if outcome == "filtered":
+                values: dict[str, Any] = {"state": "dropped", "drop_reason": "filtered"}
+            elif outcome == "trained":
+                values = {"state": "trained", "trained_version": version}
+            else:
+                raise Conflict(f"result for {gid} must be 'trained' or 'filtered'", param="results")
+            await conn.execute(update(G).where(G.c.id == gid).values(**values))
+        await conn.execute(update(B).where(B.c.id == batch_id).values(state="acked"))
+
+    async def _live_batch(self, batch_id: str, conn: Any = None) -> None:
+        q = select(B.c.state, B.c.expires_at).where(B.c.id == batch_id)
+        if conn is None:
+            async with self.engine.connect() as c:
+                row = (await c.execute(q)).first()
+        else:
+            row = (await conn.execute(q)).first()
+        if row is None:
+            raise NotFound(f"no batch {batch_id}")
+        if row.state != "leased" or row.expires_at < time.time():
+            raise Conflict(f"batch {batch_id} is {row.state if row.state != 'leased' else 'expired'}; "
+                           "its groups went back to the queue", code="lease_expired")
+
+    # --- staleness admission ---------------------------------------------------------------------
+
+    async def _remember_params(self, req: LeaseRequest) -> None:
+        values = {"groups_per_step": req.groups_per_step, "max_head_offpolicyness": req.max_head_offpolicyness}
+        async with self.engine.begin() as conn:
+            for key, value in values.items():
+                if value is None:
+                    continue
+                done = await conn.execute(update(KV).where(KV.c.key == key).values(value=value))
+                if not done.rowcount:
+                    await conn.execute(KV.insert().values(key=key, value=value))
+
+    async def admission(self, default_b: int, default_eta: int) -> tuple[bool, int, int]:
+        """(allowed, counted groups, limit). Limit -1 = no admission control."""
+        async with self.engine.connect() as conn:
+            kv = dict((await conn.execute(select(KV.c.key, KV.c.value))).all())
+            eta = int(kv.get("max_head_offpolicyness", default_eta))
+            b = int(kv.get("groups_per_step", default_b))
+            if eta < 0:
+                return True, 0, -1
+            version = (await conn.execute(select(func.max(W.c.version)))).scalar() or 0
+            counted = (
+                await conn.execute(
+                    select(func.count()).select_from(G).where(and_(G.c.state.in_(COUNTED), G.c.is_eval.is_(False)))
+                )
+            ).scalar_one()
+        limit = (eta + version + 1) * b
+        return counted < limit, int(counted), limit

@@ -1,0 +1,92 @@
+"""Weight publishing and staleness admission (design steps 5-6).
+
+Publish: pause every backend (abort mode), load the new weights with their version, continue; the
+generation loop resubmits each interrupted reply with its partial tokens (gateway.generation), so no
+work is lost and agents see no error. Then bump the version and ack the batch in one transaction.
+A backend that fails to load is reported and taken out of rotation; the health loop brings it back
+only after it loaded the current version (`sync_backend`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from gateway.errors import ServiceUnavailable, TooManyRequests
+from gateway.metrics import Metrics
+from gateway.pool import Backend, BackendPool
+from gateway.settings import Settings
+from gateway.sglang import BackendError
+from gateway.store.leases import Leases
+
+log = logging.getLogger("rollway.gateway")
+
+
+class Publisher:
+    def __init__(self, pool: BackendPool, leases: Leases, metrics: Metrics) -> None:
+        self.pool = pool
+        self.leases = leases
+        self.metrics = metrics
+        self._lock = asyncio.Lock()
+
+    async def publish(self, version: int, model_path: str, batch_id: str | None, results: dict[str, str]) -> dict[str, Any]:
+        await self.leases.check_publishable(version, batch_id)
+        async with self._lock:
+            t0 = time.perf_counter()
+            backends = [b for b in self.pool.backends() if b.healthy]
+            await self.pool.pause_all("abort")
+            try:
+                errors = await self.pool.update_all(model_path, str(version))
+            finally:
+                await self.pool.continue_all()
+            failed = {bid: str(e) for bid, e in errors.items() if e is not None}
+            if backends and len(failed) >= len(backends):
+                raise ServiceUnavailable(f"no backend could load {model_path}: {failed}", retry_after=10)
+            for bid in failed:
+                self.pool.mark_failed(self.pool.get(bid), f"weight load failed: {failed[bid]}")
+                log.error("backend %s failed to load version %d: %s", bid, version, failed[bid])
+            await self.leases.publish(version, model_path, batch_id, results, failed)
+            seconds = time.perf_counter() - t0
+        self.metrics.publish_seconds.observe(seconds)
+        self.metrics.weight_version.set(version)
+        return {"version": version, "model_path": model_path, "seconds": round(seconds, 4), "failed_backends": failed}
+
+    async def sync_backend(self, backend: Backend) -> None:
+        """Bring a backend to the current version before it gets traffic (start, recovery, added)."""
+        version, path = await self.leases.current_weights()
+        if version == 0 or path is None:
+            return
+        info = await backend.client.model_info()
+        if str(info.get("weight_version")) != str(version):
+            log.info("loading version %d into backend %s", version, backend.url)
+            await backend.client.update_weights_from_disk(path, str(version))
+        backend.weight_version = str(version)
+
+    async def sync_all(self) -> None:
+        for b in self.pool.backends():
+            try:
+                await self.sync_backend(b)
+            except BackendError as e:  # it stays out of rotation until the health loop recovers it
+                self.pool.mark_failed(b, f"could not load the current weights: {e}")
+
+
+class Admission:
+    """Staleness control: refuse a new training group once (η + v + 1)·B groups count (design)."""
+
+    def __init__(self, leases: Leases, settings: Settings, metrics: Metrics) -> None:
+        self.leases = leases
+        self.settings = settings
+        self.metrics = metrics
+
+    async def check(self) -> None:
+        ok, counted, limit = await self.leases.admission(
+            self.settings.default_groups_per_step, self.settings.max_head_offpolicyness
+        )
+        if not ok:
+            self.metrics.admission_refused.inc()
+            raise TooManyRequests(
+                f"staleness control: {counted} groups started for at most {limit} at this weight version; "
+                "retry after the trainer publishes", code="staleness_limit", retry_after=2,
+            )

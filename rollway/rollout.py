@@ -1,0 +1,246 @@
+"""`rollway rollout`: replicate each task into a group of sessions, run the agent on each, post rewards.
+
+An agent is a plain script defining `async def run(task: dict, client: AsyncOpenAI) -> float` (a sync
+`def run(task, client: OpenAI)` also works: it runs in a thread, so it never blocks the event loop).
+An agent exception abandons its session (logged with its traceback) and the run goes on; 429 from the
+gateway's staleness control is honoured with its Retry-After.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import random
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+log = logging.getLogger("rollway.rollout")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--agent", required=True, metavar="FILE", help="script defining run(task, client) -> reward")
+    p.add_argument("--tasks", required=True, metavar="FILE", help="JSONL (one task object per line) or JSON list")
+    p.add_argument("--n-samples", type=int, default=4, help="sessions per task (the GRPO group size)")
+    p.add_argument("--concurrency", type=int, default=16, help="sessions running at once")
+    p.add_argument("--gateway", default=os.environ.get("ROLLWAY_GATEWAY", "http://127.0.0.1:8000"))
+    p.add_argument("--epochs", type=int, default=1, help="passes over the task file (0 = until stopped)")
+    p.add_argument("--shuffle", action="store_true", help="shuffle tasks each epoch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard", default="0/1", metavar="I/N",
+                   help="take every N-th task starting at I (several runners share one task file)")
+    p.add_argument("--eval-tasks", default=None, metavar="FILE", help="held-out tasks run as eval groups")
+    p.add_argument("--eval-n-samples", type=int, default=1)
+    p.add_argument("--eval-every", type=int, default=0, metavar="V",
+                   help="run the eval tasks whenever the weight version reaches a multiple of V (0 = never)")
+    p.add_argument("--eval-log", default="rollway-eval.jsonl", help="JSONL of eval results per version")
+
+
+def load_agent(path: str | Path) -> Callable[..., Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"no agent file {path}")
+    spec = importlib.util.spec_from_file_location(f"rollway_agent_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, "run", None)
+    if not callable(fn):
+        raise SystemExit(f"{path} must define run(task, client) -> float")
+    return fn  # type: ignore[no-any-return]
+
+
+def load_tasks(path: str | Path) -> list[dict[str, Any]]:
+    text = Path(path).read_text()
+    if text.lstrip().startswith("["):
+        tasks = json.loads(text)
+    else:
+        tasks = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not tasks:
+        raise SystemExit(f"{path} holds no tasks")
+    return list(tasks)
+
+
+@dataclass
+class Stats:
+    groups_done: int = 0
+    sessions_done: int = 0
+    sessions_failed: int = 0
+    rewards: list[float] = field(default_factory=list)
+
+    @property
+    def mean_reward(self) -> float:
+        return sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
+
+
+class Runner:
+    """Runs groups against one gateway. Usable in-process (the demo) and from the CLI."""
+
+    def __init__(self, gateway: str, admin_key: str, agent: Callable[..., Any], *, concurrency: int = 16,
+                 client_timeout: float = 600.0) -> None:
+        self.gateway = gateway.rstrip("/")
+        self.http = httpx.AsyncClient(base_url=self.gateway, timeout=60.0,
+                                      headers={"Authorization": f"Bearer {admin_key}"})
+        self.agent = agent
+        self.is_async = inspect.iscoroutinefunction(agent)
+        self.slots = asyncio.Semaphore(concurrency)
+        self.client_timeout = client_timeout
+        self.stats = Stats()
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        while True:
+            r = await self.http.post(path, json=body)
+            if r.status_code == 429:  # staleness control: wait as told
+                await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
+                continue
+            if r.status_code >= 400:
+                raise RuntimeError(f"POST {path} -> {r.status_code}: {r.text[:500]}")
+            return r.json() if r.content else {}
+
+    async def run_group(self, task: dict[str, Any], n_samples: int, *, eval_group: bool = False,
+                        sampling: dict[str, Any] | None = None) -> list[float | None]:
+        """Create a group, run every session; returns each session's reward (None = failed)."""
+        body: dict[str, Any] = {"task": task, "n_samples": n_samples, "eval": eval_group}
+        if sampling:
+            body["sampling"] = sampling
+        group = await self._post("/v1/groups", body)
+        rewards = await asyncio.gather(*(self._run_session(task, s) for s in group["sessions"]))
+        self.stats.groups_done += 1
+        return list(rewards)
+
+    async def _run_session(self, task: dict[str, Any], cred: dict[str, Any]) -> float | None:
+        import openai
+
+        sid = cred["session_id"]
+        async with self.slots:
+            try:
+                if self.is_async:
+                    client = openai.AsyncOpenAI(base_url=cred["base_url"], api_key=cred["api_key"],
+                                                timeout=self.client_timeout, max_retries=2)
+                    try:
+                        reward = float(await self.agent(task, client))
+                    finally:
+                        await client.close()
+                else:
+                    sync_client = openai.OpenAI(base_url=cred["base_url"], api_key=cred["api_key"],
+                                                timeout=self.client_timeout, max_retries=2)
+                    try:
+                        reward = float(await asyncio.to_thread(self.agent, task, sync_client))
+                    finally:
+                        sync_client.close()
+            except Exception as e:  # an agent's bug must not stop the run: abandon, log, go on
+                log.warning("agent failed on session %s:\n%s", sid, traceback.format_exc())
+                self.stats.sessions_failed += 1
+                await self._post(f"/v1/sessions/{sid}/abandon", {"reason": f"agent_error: {type(e).__name__}"[:120]})
+                return None
+            await self._post(f"/v1/sessions/{sid}/reward", {"reward": reward})
+            await self._post(f"/v1/sessions/{sid}/finish", {})
+            self.stats.sessions_done += 1
+            self.stats.rewards.append(reward)
+            return reward
+
+    async def weight_version(self) -> int:
+        r = await self.http.get("/v1/weights")
+        r.raise_for_status()
+        return int(r.json().get("version", 0))
+
+
+def shard(tasks: list[dict[str, Any]], spec: str) -> list[dict[str, Any]]:
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise SystemExit(f"--shard wants I/N, got {spec!r}") from None
+    if not 0 <= i < n:
+        raise SystemExit(f"--shard {spec}: I must be in [0, N)")
+    return tasks[i::n]
+
+
+def task_stream(tasks: list[dict[str, Any]], epochs: int, shuffle: bool, seed: int) -> Iterable[dict[str, Any]]:
+    rng = random.Random(seed)
+    epoch = 0
+    while epochs == 0 or epoch < epochs:
+        order = list(tasks)
+        if shuffle:
+            rng.shuffle(order)
+        yield from order
+        epoch += 1
+
+
+async def run_eval(runner: Runner, tasks: list[dict[str, Any]], k: int, version: int) -> dict[str, Any]:
+    """Held-out tasks as eval groups: greedy when k == 1, else sampled; mean reward and pass@k."""
+    sampling = {"temperature": 0.0 if k == 1 else 1.0}
+    results = await asyncio.gather(*(runner.run_group(t, k, eval_group=True, sampling=sampling) for t in tasks))
+    flat = [r for rs in results for r in rs if r is not None]
+    passed = [any((r or 0) > 0 for r in rs) for rs in results]
+    return {"version": version, "eval_mean_reward": sum(flat) / max(1, len(flat)),
+            f"pass@{k}": sum(passed) / max(1, len(passed)), "n_tasks": len(tasks), "time": time.time()}
+
+
+async def rollout(args: argparse.Namespace, admin_key: str) -> Stats:
+    agent = load_agent(args.agent)
+    tasks = shard(load_tasks(args.tasks), args.shard)
+    eval_tasks = load_tasks(args.eval_tasks) if args.eval_tasks else []
+    runner = Runner(args.gateway, admin_key, agent, concurrency=args.concurrency)
+    total = len(tasks) * args.epochs if args.epochs else None
+    bar = tqdm(total=total, unit="group", desc="rollout")
+    in_flight: set[asyncio.Task[Any]] = set()
+    max_groups_ahead = max(1, args.concurrency // max(1, args.n_samples)) + 1
+    last_eval = -1
+    try:
+        for task in task_stream(tasks, args.epochs, args.shuffle, args.seed):
+            while len(in_flight) >= max_groups_ahead:
+                done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                for d in done:
+                    d.result()
+                    bar.update(1)
+                s = runner.stats
+                bar.set_postfix(failed=s.sessions_failed, reward=f"{s.mean_reward:.3f}")
+            if eval_tasks and args.eval_every > 0:
+                v = await runner.weight_version()
+                if v % args.eval_every == 0 and v != last_eval:
+                    last_eval = v
+                    res = await run_eval(runner, eval_tasks, args.eval_n_samples, v)
+                    await asyncio.to_thread(_append_line, args.eval_log, json.dumps(res))
+                    tqdm.write(f"eval at version {v}: {res}")
+            in_flight.add(asyncio.ensure_future(runner.run_group(task, args.n_samples)))
+        for d in asyncio.as_completed(in_flight):
+            await d
+            bar.update(1)
+    finally:
+        bar.close()
+        await runner.close()
+    return runner.stats
+
+
+def main(args: argparse.Namespace) -> int:
+    key = os.environ.get("ROLLWAY_ADMIN_KEY") or _stored_key()
+    if not key:
+        raise SystemExit("set ROLLWAY_ADMIN_KEY to the gateway's admin key")
+    stats = asyncio.run(rollout(args, key))
+    print(json.dumps({"groups": stats.groups_done, "sessions": stats.sessions_done,
+                      "sessions_failed": stats.sessions_failed, "mean_reward": round(stats.mean_reward, 4)}))
+    return 0
+
+
+def _append_line(path: str, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
+def _stored_key() -> str | None:
+    path = Path("rollway-data") / "admin_key"
+    return path.read_text().strip() if path.is_file() else None

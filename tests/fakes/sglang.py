@@ -1,0 +1,493 @@
+"""A scripted fake SGLang server that follows docs/sglang-contract.md, for tests and demos without a GPU.
+
+    with FakeSGLang(token_delay=0.01) as fake:    # uvicorn on a free loopback port, in a thread
+        fake.script([[11, 12, 2]])                # the next /generate outputs exactly these ids
+        ... POST f"{fake.url}/generate" {"input_ids": [...], "sampling_params": {"stop_token_ids": [2]}} ...
+        assert fake.requests[-1]["input_ids"] == [...]
+
+Generation: each output position draws a token from `vocab` and a logprob in (-5, 0) from an RNG seeded
+with the input ids, the fake's `seed` and `sampling_seed`; with temperature > 0 and no `sampling_seed`
+every request also mixes in a counter, so identical prompts differ like sampled siblings. A scripted
+output replaces the drawn ids position by position (logprobs stay the RNG's); past its end the RNG
+goes on. A token in `stop_token_ids` or `eos_token_ids` ends with `{"type": "stop", "matched": id}`
+(not before `min_new_tokens`, never with `ignore_eos`); `max_new_tokens` ends with "length". Stop
+strings are accepted and ignored (no tokenizer). `text` is "<id><id>..." unless
+`skip_tokenizer_init`. `legacy=True` acts like a 0.4 server: only /get_model_info and
+/get_server_info, and the old error shape for unknown sampling keys.
+
+Test handles: `requests` (/generate payloads), `calls` (control calls as (path, body)), `aborted` and
+`disconnected` (rids), `script()`, `fail_next()`, `down` (drop every connection), `healthy` (503 on
+/health), `stop()`/`start()` (connection refused, same port).
+
+As a process: python -m tests.fakes.sglang --port 30000 [--incremental] [--token-delay 0.01]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import random
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tests.fakes.serve import ServerThread, serve_forever
+
+SAMPLING_KEYS = frozenset(
+    "max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty "
+    "presence_penalty repetition_penalty min_new_tokens n json_schema regex ebnf structural_tag ignore_eos "
+    "skip_special_tokens spaces_between_special_tokens no_stop_trim custom_params stream_interval "
+    "logit_bias sampling_seed".split()
+)
+_POLL = 0.005
+
+
+class _Dropped(Exception):
+    """Raised after the response head so uvicorn closes the connection (the `down` switch)."""
+
+
+@dataclass(eq=False)
+class _Gen:
+    rid: str
+    input_ids: list[int]
+    sp: dict[str, Any]
+    rng: random.Random
+    script: list[int] | None
+    cached: int
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[list[Any]]] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    abort_message: str | None = None
+    started: bool = False
+    t0: float = field(default_factory=time.monotonic)
+
+
+class FakeSGLang:
+    def __init__(
+        self,
+        *,
+        vocab: range = range(100, 1000),
+        eos_token_ids: Iterable[int] = (),
+        incremental: bool = False,
+        incremental_logprobs: bool | None = None,
+        token_delay: float = 0.0,
+        stream_interval: int = 1,
+        context_length: int = 4096,
+        max_req_input_len: int | None = None,
+        model_path: str = "fake/model",
+        weight_version: str = "default",
+        load_delay: float = 0.0,
+        skip_tokenizer_init: bool = False,
+        legacy: bool = False,
+        seed: int = 0,
+        port: int = 0,
+    ) -> None:
+        self.vocab = vocab
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.incremental = incremental
+        self.incremental_logprobs = incremental if incremental_logprobs is None else incremental_logprobs
+        self.token_delay = token_delay
+        self.stream_interval = stream_interval
+        self.context_length = context_length
+        self.max_req_input_len = context_length - 1 if max_req_input_len is None else max_req_input_len
+        self.model_path = model_path
+        self.weight_version = weight_version
+        self.load_delay = load_delay
+        self.skip_tokenizer_init = skip_tokenizer_init
+        self.legacy = legacy
+        self.seed = seed
+        self.down = False
+        self.healthy = True
+        self.paused: str | None = None
+        self.requests: list[dict[str, Any]] = []
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.aborted: list[str] = []
+        self.disconnected: list[str] = []
+        self._scripts: deque[list[int]] = deque()
+        self._failures: deque[int] = deque()
+        self._gens: dict[str, _Gen] = {}
+        self._history: deque[list[int]] = deque(maxlen=256)
+        self._draws = 0
+        info = "/get_model_info" if legacy else "/model_info"
+        server = "/get_server_info" if legacy else "/server_info"
+        self._app = Starlette(
+            routes=[
+                Route("/generate", self._generate, methods=["POST"]),
+                Route("/abort_request", self._abort_request, methods=["POST"]),
+                Route("/pause_generation", self._pause, methods=["POST"]),
+                Route("/continue_generation", self._continue, methods=["POST"]),
+                Route("/update_weights_from_disk", self._update_weights, methods=["POST"]),
+                Route("/update_weight_version", self._update_version, methods=["POST"]),
+                Route("/flush_cache", self._flush_cache, methods=["GET", "POST"]),
+                Route(info, self._model_info, methods=["GET"]),
+                Route(server, self._server_info, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/health_generate", self._health, methods=["GET"]),
+            ]
+        )
+        self._server = ServerThread(self, port=port)
+
+    # -- test handles ------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not finished."""
+        return len(self._gens)
+
+    def script(self, outputs: Iterable[list[int]]) -> None:
+        """Queue exact output ids for the next requests, one list per request, in arrival order."""
+        self._scripts.extend(list(o) for o in outputs)
+
+    def fail_next(self, n: int = 1, status: int = 503) -> None:
+        """Answer the next n /generate calls with this HTTP status."""
+        self._failures.extend([status] * n)
+
+    def start(self) -> FakeSGLang:
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.stop()
+        self._gens.clear()
+
+    def __enter__(self) -> FakeSGLang:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.down:
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"99")]})
+            raise _Dropped("fake is down")
+        await self._app(scope, receive, send)
+
+    # -- /generate ---------------------------------------------------------------------------------
+
+    async def _generate(self, request: Request) -> Response:
+        payload = orjson.loads(await request.body())
+        self.requests.append(payload)
+        if self._failures:
+            status = self._failures.popleft()
+            return JSONResponse({"error": {"message": f"fake: injected failure {status}"}}, status)
+        error = self._validate(payload)
+        if error is not None:
+            return error
+        ids = payload["input_ids"]
+        sp = payload.get("sampling_params") or {}
+        n = sp.get("n") or 1
+        if n == 1 and not isinstance(ids[0], list):
+            gen = self._admit(ids, sp, payload.get("rid"))
+            if payload.get("stream"):
+                return StreamingResponse(self._stream(gen, payload), media_type="text/event-stream")
+            await self._finish(gen)
+            return JSONResponse(self._body(gen, payload, 0))
+        if payload.get("stream"):
+            return _bad("fake: streaming a batch or n > 1 is not supported")
+        gens = [self._admit(p, sp, None) for p in (ids if isinstance(ids[0], list) else [ids] * n)]
+        await asyncio.gather(*(self._finish(g) for g in gens))
+        return JSONResponse([self._body(g, payload, 0) for g in gens])
+
+    def _validate(self, payload: dict[str, Any]) -> Response | None:
+        ids = payload.get("input_ids")
+        if not isinstance(ids, list) or not ids or any(isinstance(p, list) and not p for p in ids):
+            return _bad("The input_ids must be a non-empty list of token ids (the fake has no tokenizer).")
+        sp = payload.get("sampling_params") or {}
+        unknown = sorted(set(sp) - SAMPLING_KEYS)
+        if unknown:
+            text = f"SamplingParams.__init__() got an unexpected keyword argument '{unknown[0]}'"
+            if self.legacy:
+                return JSONResponse({"object": "error", "message": text, "code": 400}, 400)
+            return JSONResponse({"error": text}, 400)
+        checks = [
+            ("temperature", lambda v: v >= 0, "temperature must be non-negative"),
+            ("top_p", lambda v: 0 < v <= 1, "top_p must be in (0, 1]"),
+            ("top_k", lambda v: v == -1 or v >= 1, "top_k must be -1 (disable), or at least 1"),
+            ("min_p", lambda v: 0 <= v <= 1, "min_p must be in [0, 1]"),
+            ("max_new_tokens", lambda v: v >= 0, "max_new_tokens must be at least 0"),
+            ("min_new_tokens", lambda v: v >= 0, "min_new_tokens must be at least 0"),
+            ("n", lambda v: v >= 1, "n must be at least 1"),
+        ]
+        for key, ok, message in checks:
+            value = sp.get(key)
+            if value is not None and (not isinstance(value, int | float) or not ok(value)):
+                return _bad(f"{message}, got {value!r}.")
+        longest = max(len(p) for p in ids) if isinstance(ids[0], list) else len(ids)
+        if longest > self.max_req_input_len:
+            return _bad(
+                f"The input ({longest} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+        max_new = sp.get("max_new_tokens")
+        if max_new is not None and longest + max_new > self.context_length:
+            return _bad(
+                f"Requested token count exceeds the model's maximum context length of {self.context_length} "
+                f"tokens. You requested a total of {longest + max_new} tokens: {longest} tokens from the input "
+                f"messages and {max_new} tokens for the completion."
+            )
+        return None
+
+    def _admit(self, input_ids: list[int], sp: dict[str, Any], rid: str | None) -> _Gen:
+        seed = sp.get("sampling_seed")
+        temperature = sp.get("temperature")
+        if seed is None and (temperature is None or temperature > 0):
+            self._draws += 1
+            seed = f"draw-{self._draws}"
+        digest = hashlib.blake2b(orjson.dumps([self.seed, seed, input_ids]), digest_size=8).digest()
+        gen = _Gen(
+            rid=rid or uuid.uuid4().hex,
+            input_ids=input_ids,
+            sp=sp,
+            rng=random.Random(int.from_bytes(digest, "little")),
+            script=self._scripts.popleft() if self._scripts else None,
+            cached=self._cached_prefix(input_ids),
+        )
+        self._gens[gen.rid] = gen
+        return gen
+
+    def _cached_prefix(self, ids: list[int]) -> int:
+        best = 0
+        for seq in self._history:
+            n = min(len(seq), len(ids) - 1)
+            i = 0
+            while i < n and seq[i] == ids[i]:
+                i += 1
+            best = max(best, i)
+        return best
+
+    async def _run(self, gen: _Gen) -> AsyncIterator[None]:
+        """Generate token by token, yielding after each; honours pause, abort and the token delay."""
+        while self.paused is not None and gen.abort_message is None:
+            await asyncio.sleep(_POLL)  # the waiting queue: paused servers hold new requests
+        if gen.abort_message is not None:
+            gen.finish = {"type": "abort", "message": "Abort before prefill" if self.legacy else gen.abort_message}
+            return
+        gen.started = True
+        while gen.finish is None:
+            if gen.abort_message is not None:
+                gen.finish = {"type": "abort", "message": gen.abort_message, "status_code": None, "err_type": None}
+                return
+            if self.paused in ("retract", "in_place"):
+                await asyncio.sleep(_POLL)
+                continue
+            self._step(gen)
+            yield
+            if self.token_delay and gen.finish is None:
+                await asyncio.sleep(self.token_delay)
+
+    def _step(self, gen: _Gen) -> None:
+        sp, pos = gen.sp, len(gen.output)
+        max_new = 128 if sp.get("max_new_tokens") is None else sp["max_new_tokens"]
+        if pos >= max_new:  # max_new_tokens = 0
+            gen.finish = {"type": "length", "length": max_new}
+            return
+        token = gen.rng.choice(self.vocab)
+        logprob = -gen.rng.uniform(0.001, 4.999)
+        if gen.script is not None and pos < len(gen.script):
+            token = gen.script[pos]
+        gen.output.append(token)
+        gen.logprobs.append(logprob)
+        k = sp.get("top_logprobs_num") or 0
+        others = [[logprob - 0.25 * (j + 1), gen.rng.choice(self.vocab), None] for j in range(k - 1)]
+        gen.top.append([[logprob, token, None], *others][:k])
+        stops = set() if sp.get("ignore_eos") else set(sp.get("stop_token_ids") or ()) | self.eos_token_ids
+        if token in stops and pos + 1 >= (sp.get("min_new_tokens") or 0):
+            gen.finish = {"type": "stop", "matched": token}
+        elif pos + 1 >= max_new:
+            gen.finish = {"type": "length", "length": max_new}
+
+    async def _finish(self, gen: _Gen) -> None:
+        try:
+            async for _ in self._run(gen):
+                pass
+        finally:
+            self._retire(gen)
+
+    def _retire(self, gen: _Gen) -> None:
+        self._gens.pop(gen.rid, None)
+        if gen.finish is not None and gen.finish["type"] == "abort":
+            self.aborted.append(gen.rid)
+        self._history.append(gen.input_ids + gen.output)
+
+    async def _stream(self, gen: _Gen, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+        sent = 0
+        try:
+            async for _ in self._run(gen):
+                if gen.finish is None and len(gen.output) - sent >= self.stream_interval:
+                    yield _event(self._body(gen, payload, sent if self.incremental else 0, sent))
+                    sent = len(gen.output)
+            yield _event(self._body(gen, payload, sent if self.incremental else 0, sent))
+            yield b"data: [DONE]\n\n"
+        finally:
+            if gen.finish is None:  # the client went away (Starlette cancelled us): SGLang aborts
+                gen.finish = {"type": "abort", "message": "client disconnected"}
+                self.disconnected.append(gen.rid)
+            self._retire(gen)
+
+    def _body(self, gen: _Gen, payload: dict[str, Any], since: int, sent: int = 0) -> dict[str, Any]:
+        """One answer or chunk: output from `since` (0 = cumulative); logprobs from `sent` when deltas."""
+        meta: dict[str, Any] = {
+            "id": gen.rid,
+            "finish_reason": gen.finish,
+            "prompt_tokens": len(gen.input_ids),
+            "completion_tokens": len(gen.output),
+            "cached_tokens": gen.cached,
+            "weight_version": self.weight_version,
+            "e2e_latency": time.monotonic() - gen.t0,
+        }
+        if payload.get("return_logprob"):
+            lp_from = sent if self.incremental_logprobs else 0
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(gen.logprobs[lp_from:], gen.output[lp_from:], strict=True)
+            ]
+            if payload.get("top_logprobs_num"):
+                meta["output_top_logprobs"] = gen.top[lp_from:]
+        body: dict[str, Any] = {"output_ids": gen.output[since:], "meta_info": meta}
+        if not self.skip_tokenizer_init:
+            matched = (gen.finish or {}).get("matched")
+            ids = gen.output[since:]
+            if matched is not None and ids and ids[-1] == matched:
+                ids = ids[:-1]
+            body["text"] = "".join(f"<{t}>" for t in ids)
+        return body
+
+    # -- control -----------------------------------------------------------------------------------
+
+    async def _json(self, request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        body: dict[str, Any] = orjson.loads(raw) if raw.strip() else {}
+        self.calls.append((request.url.path, body))
+        return body
+
+    def _abort_matching(self, prefix: str, abort_all: bool, message: str = "Aborted") -> None:
+        for gen in list(self._gens.values()):
+            if abort_all or (prefix and gen.rid.startswith(prefix)):
+                gen.abort_message = message if gen.started else "Abort in waiting queue"
+
+    async def _abort_request(self, request: Request) -> Response:
+        body = await self._json(request)
+        self._abort_matching(body.get("rid") or "", bool(body.get("abort_all")))
+        return Response(status_code=200)
+
+    async def _pause(self, request: Request) -> Response:
+        mode = (await self._json(request)).get("mode") or "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            return _bad(f"Invalid mode: {mode}")
+        self.paused = mode
+        if mode == "abort":
+            self._abort_matching("", abort_all=True)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue(self, request: Request) -> Response:
+        await self._json(request)
+        self.paused = None
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _update_weights(self, request: Request) -> Response:
+        body = await self._json(request)
+        path = body.get("model_path") or ""
+        if not os.path.exists(path):
+            message = f"Failed to update weights: {path!r} does not exist."
+            return JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, 400)
+        if body.get("abort_all_requests"):
+            self._abort_matching("", abort_all=True)
+        while self.paused is None and self._gens:  # an unpaused server lets running requests finish
+            await asyncio.sleep(_POLL)
+        await asyncio.sleep(self.load_delay)
+        self.model_path = path
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        if body.get("flush_cache", True):
+            self._history.clear()
+        return JSONResponse({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
+
+    async def _update_version(self, request: Request) -> Response:
+        body = await self._json(request)
+        if body.get("abort_all_requests", True):
+            self._abort_matching("", abort_all=True)
+        self.weight_version = str(body["new_version"])
+        return JSONResponse({"success": True, "message": "ok", "new_version": self.weight_version})
+
+    async def _flush_cache(self, request: Request) -> Response:
+        self.calls.append((request.url.path, {}))
+        if self._gens:
+            text = f"Cache not flushed because there are pending requests. #queue-req: 0, #running-req: {len(self._gens)}"
+            return Response(text, status_code=400)
+        self._history.clear()
+        return Response("Cache flushed.\nPlease check backend logs for more details.")
+
+    async def _model_info(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+            }
+        )
+
+    async def _server_info(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "model_path": self.model_path,
+                "context_length": self.context_length,
+                "max_req_input_len": self.max_req_input_len,
+                "max_total_num_tokens": 64 * self.context_length,
+                "skip_tokenizer_init": self.skip_tokenizer_init,
+                "incremental_streaming_output": self.incremental,
+                "version": "0.4.10-fake" if self.legacy else "0.5.23-fake",
+            }
+        )
+
+    async def _health(self, request: Request) -> Response:
+        return Response(status_code=200 if self.healthy else 503)
+
+
+def _bad(message: str) -> Response:
+    return JSONResponse({"error": {"message": message}}, 400)
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Scripted fake SGLang server (see the module docstring).")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--incremental", action="store_true", help="like --incremental-streaming-output")
+    parser.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token")
+    parser.add_argument("--context-length", type=int, default=4096)
+    parser.add_argument("--eos-token-id", type=int, action="append", default=[])
+    args = parser.parse_args(argv)
+    fake = FakeSGLang(
+        incremental=args.incremental,
+        token_delay=args.token_delay,
+        context_length=args.context_length,
+        eos_token_ids=args.eos_token_id,
+    )
+    serve_forever(fake, args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""`rollway train`: check the config, write it to `out/config.json`, and run torchrun on `trainer.train`.
+
+    from trainer.launch import main
+    main(["--gateway", URL, "--model", DIR, "--out", DIR, "--nproc", "2", "--config", FILE, "--lr", "1e-5"])
+
+Every option of `trainer.config.TrainConfig` can be given as `--name value` (dashes or underscores) and
+overrides the file. A wrong option fails here, before any process starts. The admin key travels in the
+environment (`ROLLWAY_ADMIN_KEY`), never in the written config.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from trainer.client import GatewayClient
+from trainer.config import TrainConfig, load_config, parse_overrides
+
+
+def torchrun_command(config_path: str | Path, nproc: int) -> list[str]:
+    """The exact command: `python -m torch.distributed.run --standalone --nproc-per-node N -m trainer.train
+    --config FILE` (`--standalone`: a free local rendezvous port, one node)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "trainer.train", "--config", str(config_path),
+    ]  # fmt: skip
+
+
+def prepare(argv: list[str]) -> tuple[TrainConfig, int, list[str], dict[str, str]]:
+    """Parse and validate; returns (config, nproc, torchrun command, environment). Writes out/config.json."""
+    args = list(argv)
+    nproc, config_file = 1, None
+    for flag in ("--nproc", "--config"):
+        for i, a in enumerate(args):
+            if a == flag or a.startswith(flag + "="):
+                value = a.split("=", 1)[1] if "=" in a else args[i + 1]
+                del args[i : i + (1 if "=" in a else 2)]
+                if flag == "--nproc":
+                    nproc = int(value)
+                else:
+                    config_file = value
+                break
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    cfg = load_config(config_file, parse_overrides(args))
+    out = Path(cfg.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.out = str(out)
+    for name in ("model", "sft_data"):  # the workers may run from another directory
+        if getattr(cfg, name):
+            setattr(cfg, name, str(Path(getattr(cfg, name)).resolve()))
+    config_path = out / "config.json"
+    config_path.write_text(cfg.to_json())
+    env = dict(os.environ)
+    if cfg.admin_key:
+        env["ROLLWAY_ADMIN_KEY"] = cfg.admin_key
+    return cfg, nproc, torchrun_command(config_path, nproc), env
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `rollway train`; returns torchrun's exit code (2 for a bad config or gateway)."""
+    try:
+        cfg, nproc, cmd, env = prepare(sys.argv[1:] if argv is None else argv)
+        if cfg.gateway:  # fail here, with the URL in the message, rather than in N workers
+            with GatewayClient(cfg.gateway, cfg.resolved_admin_key(), timeout=10.0) as client:
+                client.current_weights()
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"rollway train: {e}", file=sys.stderr)
+        return 2
+    print(f"rollway train: {nproc} process(es); config in {cfg.out}/config.json", file=sys.stderr)
+    return subprocess.run(cmd, env=env, check=False).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

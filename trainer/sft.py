@@ -1,0 +1,161 @@
+"""Supervised fine-tuning on the same machinery (batching, FSDP2, checkpoints, HF export, metrics).
+
+Data: a JSONL file of chats (`{"messages": [...], "tools": [...]?}` per line), or recorded sessions from
+`GET /v1/sessions` (a session with `samples` trains on their exact token ids and loss mask; one with
+`messages` is rendered like a JSONL chat). The loss is the NLL of assistant tokens only.
+
+Assistant tokens of a chat are found by rendering prefixes: the tokens between "messages before turn i +
+generation prompt" and "messages up to turn i" are turn i's (the end-of-turn token included). A template
+for which a prefix does not render as a prefix is refused with the message index, never trained silently.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.batching import Row, plan_step
+from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.client import GatewayClient, parse_sample
+from trainer.config import TrainConfig
+from trainer.fsdp import DistInfo, broadcast, load_sharded_model
+from trainer.metrics import MetricsSink
+from trainer.step import make_optimizer, sft_step
+
+
+def _ids(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chat_row(tokenizer: Any, messages: list[dict[str, Any]], tools: Any = None) -> Row:
+    """Token ids of the whole chat with loss_mask = 1 on the assistant messages' tokens."""
+    full = _ids(tokenizer, messages, tools, False)
+    mask = [0] * len(full)
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        before = _ids(tokenizer, messages[:i], tools, True)
+        upto = _ids(tokenizer, messages[: i + 1], tools, False)
+        if full[: len(upto)] != upto or upto[: len(before)] != before:
+            raise ValueError(f"chat template does not render message {i} as an extension of the ones before")
+        for t in range(len(before), len(upto)):
+            mask[t] = 1
+    n = len(full)
+    return Row(full, mask, [0.0] * n, [0.0] * n, [1.0] * n)
+
+
+def rows_from_jsonl(path: str | Path, tokenizer: Any) -> list[Row]:
+    rows = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        chat = json.loads(line)
+        try:
+            rows.append(chat_row(tokenizer, chat["messages"], chat.get("tools")))
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{path}:{lineno}: {e}") from e
+    return rows
+
+
+def rows_from_sessions(
+    client: GatewayClient, tokenizer: Any, state: str, min_reward: float | None, page: int = 100
+) -> list[Row]:
+    """Every exported session (paginated by the `next` cursor), optionally only those rewarded >= min."""
+    rows: list[Row] = []
+    cursor: str | None = None
+    while True:
+        d = client.sessions(state=state, since=cursor, limit=page)
+        items = d.get("sessions", d.get("data", []))
+        for s in items:
+            if min_reward is not None and (s.get("reward") is None or s["reward"] < min_reward):
+                continue
+            for sample in s.get("samples") or []:
+                sample = {"group_id": s.get("group_id", ""), "session_id": s.get("session_id", ""), **sample}
+                x = parse_sample(sample)
+                n = len(x.token_ids)
+                rows.append(Row(x.token_ids, [int(m) for m in x.loss_mask], [0.0] * n, [0.0] * n, [1.0] * n))
+            if not s.get("samples") and s.get("messages"):
+                rows.append(chat_row(tokenizer, s["messages"], s.get("tools")))
+        cursor = d.get("next") or d.get("next_cursor")
+        if not cursor or not items:
+            return rows
+
+
+def run_sft(cfg: TrainConfig, info: DistInfo) -> None:
+    from transformers import AutoTokenizer
+
+    out = Path(cfg.out).resolve()
+    client = None
+    if info.is_main and cfg.gateway:
+        client = GatewayClient(cfg.gateway, cfg.resolved_admin_key(), cfg.http_timeout)
+    source = cfg.model
+    if not source and client:
+        source = client.current_weights()[1] or ""
+    source = broadcast(source)
+
+    # ---------------- data (rank 0 reads, every rank gets the rows)
+    rows: list[Row] | None = None
+    if info.is_main:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        if cfg.sft_data:
+            rows = rows_from_jsonl(cfg.sft_data, tokenizer)
+        else:
+            assert client is not None
+            rows = rows_from_sessions(client, tokenizer, cfg.sft_session_state, cfg.sft_min_reward)
+        rows = [r for r in rows if r.n_loss_tokens > 0]
+    rows = broadcast(rows)
+    assert rows is not None
+    if not rows:
+        raise ValueError("SFT: no sequence with assistant tokens in the data")
+    rng = random.Random(cfg.seed)
+    batches = []
+    for _ in range(cfg.sft_epochs):
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        batches += [
+            order[i : i + cfg.sft_batch_sequences] for i in range(0, len(order), cfg.sft_batch_sequences)
+        ]
+    total = min(len(batches), cfg.steps) if cfg.steps else len(batches)
+
+    # ---------------- model, optimizer, resume
+    model = load_sharded_model(source, info)
+    optimizer = make_optimizer(model, cfg)
+    step = 0
+    ckpt = latest_checkpoint(out / "checkpoints")
+    if ckpt is not None:
+        step, _ = load_checkpoint(model, optimizer, ckpt)
+    sink = MetricsSink(out, enabled=info.is_main, total_steps=total)
+
+    # ---------------- loop
+    try:
+        while step < total:
+            t0 = time.perf_counter()
+            batch = [[rows[i]] for i in batches[step]]  # each sequence is its own "group" for balancing
+            plan = plan_step(
+                batch,
+                world_size=info.world_size,
+                rank=info.rank,
+                optimizer_steps=1,
+                micro_batch_tokens=cfg.micro_batch_tokens,
+                loss_agg=cfg.loss_agg,
+            )
+            metrics = sft_step(model, optimizer, plan, max_grad_norm=cfg.max_grad_norm, device=info.device)
+            step += 1
+            metrics["step_time_s"] = time.perf_counter() - t0
+            metrics["tokens"] = float(sum(len(r[0].token_ids) for r in batch))
+            if step % cfg.checkpoint_every == 0 or step == total:
+                save_checkpoint(
+                    model, optimizer, out / "checkpoints", step=step, version=0, keep=cfg.keep_checkpoints
+                )
+            sink.log(step, metrics)
+        export_hf(model, source, out / "weights" / "sft-final")
+    finally:
+        sink.close()
+        if client:
+            client.close()

@@ -1,0 +1,279 @@
+"""rollway's trainer: lease complete groups from the gateway, take a GRPO-style step under FSDP2, write an
+HF checkpoint, publish it. One linear loop; rank 0 talks to the gateway and broadcasts to the others.
+
+    torchrun --nproc-per-node N -m trainer.train --config out/config.json [--key value ...]
+    (what `rollway train` runs, through trainer.launch.main)
+
+Where this departs from GRPO (Shao et al. 2024, DeepSeekMath):
+- Advantage = per-token return - the group's mean session reward, by explicit group id, each session
+  counted once however many sequences it produced. No division by the group std by default (Dr. GRPO,
+  Liu et al. 2025); `adv_std_norm = true` restores it.
+- Decoupled PPO objective (Hilton et al. 2021; AReaL): the clip is around the proximal policy recomputed
+  with the pre-update weights, and the behaviour importance weight pi_prox / mu (off-policy samples up to
+  eta versions old) is capped. Clip-higher 0.2 / 0.28 (DAPO).
+- No KL term by default (DAPO); `kl_coef` adds the k3 estimate to the starting weights.
+- Token-mean aggregation over the whole step (DAPO); `loss_agg = "seq_mean"` gives GRPO's per-sequence mean.
+- Dynamic filtering (DAPO): zero-advantage groups are acked as "filtered" and refilled by leasing more;
+  with some groups in hand and none arriving within `wait_seconds`, the step trains on what it has.
+- Logits are divided by each token's sampling temperature, as the inference server did.
+- Groups are acked (as part of the publish) only once their update is in a durable checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from trainer.advantages import ScoredGroup, score_group
+from trainer.batching import plan_step, rows_of
+from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, prune_weights, save_checkpoint
+from trainer.client import GatewayClient, GatewayHTTPError, LeaseRenewer
+from trainer.config import TrainConfig, load_config, parse_overrides
+from trainer.fsdp import DistInfo, broadcast, init_distributed, load_sharded_model, shutdown
+from trainer.loss import PPOParams
+from trainer.metrics import MetricsSink
+from trainer.plot import plot_rewards
+from trainer.step import make_optimizer, rl_step
+
+log = logging.getLogger("trainer")
+
+
+@dataclass
+class StepBatch:
+    """What rank 0 broadcasts each round: the groups to train, or why there are none."""
+
+    groups: list[ScoredGroup] = field(default_factory=list)
+    leases: dict[str, list[str]] = field(default_factory=dict)
+    """batch_id -> ids of its groups that train (acked when the step is durable)."""
+    rewards: list[float] = field(default_factory=list)
+    """Session rewards of every scored group, filtered ones included: what the policy earns."""
+    filtered: int = 0
+    stale: int = 0
+    staleness: list[int] = field(default_factory=list)
+    wait_s: float = 0.0
+    error: str | None = None
+
+
+def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, version: int) -> StepBatch:
+    """Lease until `groups_per_step` groups survive the filter (or nothing more arrives in wait_seconds)."""
+    out, t0 = StepBatch(), time.perf_counter()
+    while len(out.groups) < cfg.groups_per_step:
+        lease = client.lease(
+            max_groups=cfg.groups_per_step - len(out.groups),
+            lease_seconds=cfg.lease_seconds,
+            wait_seconds=cfg.wait_seconds,
+            groups_per_step=cfg.groups_per_step,
+            max_head_offpolicyness=cfg.max_head_offpolicyness,
+            trainer_version=version,
+        )
+        out.stale += lease.dropped_stale if lease else 0
+        if lease is None or not lease.groups:
+            break  # train on what we have (maybe nothing: the loop asks again)
+        renewer.hold(lease.batch_id)
+        filtered: dict[str, str] = {}
+        for group in lease.groups:
+            scored = score_group(group, cfg.adv_std_norm)
+            out.rewards.extend(scored.rewards)
+            if not scored.samples or (cfg.dynamic_filter and scored.filtered):
+                filtered[group.group_id] = "filtered"
+                continue
+            out.groups.append(scored)
+            out.leases.setdefault(lease.batch_id, []).append(group.group_id)
+            out.staleness += [version - v for s in scored.samples for v in s.versions if v >= 0]
+        out.filtered += len(filtered)
+        if filtered:  # frees their admission slots now, so refill groups can start (design.md)
+            client.ack(lease.batch_id, filtered)
+        if lease.batch_id not in out.leases:
+            renewer.release(lease.batch_id)
+    out.wait_s = time.perf_counter() - t0
+    return out
+
+
+def commit(
+    client: GatewayClient,
+    renewer: LeaseRenewer,
+    held: dict[str, list[str]],
+    version: int,
+    path: Path,
+    durable: bool,
+) -> dict[str, list[str]]:
+    """Publish `version`. If the step is durable, ack every held batch: all but one by `ack`, the last
+    inside the publish (one transaction with the version bump). Returns what is still held."""
+    if not durable or not held:
+        client.publish(version, str(path), None, {})
+        return held
+    *earlier, last = list(held)
+    for batch_id in earlier:
+        client.ack(batch_id, {g: "trained" for g in held[batch_id]})
+    client.publish(version, str(path), last, {g: "trained" for g in held[last]})
+    for batch_id in held:
+        renewer.release(batch_id)
+    return {}
+
+
+def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
+    out = Path(cfg.out).resolve()
+    main = info.is_main
+    client = GatewayClient(cfg.gateway, cfg.resolved_admin_key(), cfg.http_timeout) if main else None
+
+    # ---------------- starting weights: the served version, else --model; then our last checkpoint
+    start = client.current_weights() if client else None
+    gw_version, gw_path = broadcast(start)
+    source = gw_path if gw_path and Path(gw_path).is_dir() else cfg.model
+    model = load_sharded_model(source, info)
+    ref_model = load_sharded_model(source, info, trainable=False) if cfg.kl_coef > 0 else None
+    optimizer = make_optimizer(model, cfg)
+    step, version = 0, gw_version
+    ckpt = latest_checkpoint(out / "checkpoints")
+    if ckpt is not None:
+        step, ckpt_version = load_checkpoint(model, optimizer, ckpt)
+        version = max(ckpt_version, gw_version)
+    params = PPOParams(
+        cfg.clip_low, cfg.clip_high, cfg.behaviour_weight_cap, cfg.behaviour_weight_cap_mode, cfg.kl_coef
+    )
+    sink = MetricsSink(out, enabled=main, total_steps=cfg.steps or None)
+    sink.note(
+        f"trainer: {info.world_size} rank(s) on {info.device}, from {source} (step {step}, "
+        f"version {version}{', checkpoint ' + str(ckpt) if ckpt else ''})"
+    )
+    renewer = LeaseRenewer(client, cfg.lease_seconds) if client else None
+    held: dict[str, list[str]] = {}  # leases whose update is not yet in a durable checkpoint
+
+    try:
+        while cfg.steps == 0 or step < cfg.steps:
+            # ---------------- lease (rank 0), then every rank gets the same groups
+            batch = StepBatch()
+            if client and renewer:
+                try:
+                    batch = collect(client, renewer, cfg, version)
+                except Exception as e:  # tell the other ranks, then fail on all of them
+                    batch = StepBatch(error=f"{type(e).__name__}: {e}")
+            batch = broadcast(batch)
+            if batch.error:
+                raise RuntimeError(f"leasing failed on rank 0: {batch.error}")
+            if not batch.groups:
+                sink.note(
+                    f"no trainable group within {cfg.wait_seconds:.0f}s "
+                    f"(filtered {batch.filtered}, stale {batch.stale}); waiting"
+                )
+                continue
+
+            # ---------------- train: proximal pass, then forward/backward + optimizer step(s)
+            t0 = time.perf_counter()
+            plan = plan_step(
+                [rows_of(g) for g in batch.groups],
+                world_size=info.world_size,
+                rank=info.rank,
+                optimizer_steps=cfg.optimizer_steps,
+                micro_batch_tokens=cfg.micro_batch_tokens,
+                loss_agg=cfg.loss_agg,
+            )
+            metrics = rl_step(
+                model,
+                optimizer,
+                plan,
+                params,
+                max_grad_norm=cfg.max_grad_norm,
+                device=info.device,
+                ref_model=ref_model,
+            )
+            step_time = time.perf_counter() - t0
+            step += 1
+            version += 1
+
+            # ---------------- durable checkpoint (every K steps and the last), HF export, publish + ack
+            durable = step % cfg.checkpoint_every == 0 or step == cfg.steps
+            t1 = time.perf_counter()
+            if durable:
+                save_checkpoint(
+                    model,
+                    optimizer,
+                    out / "checkpoints",
+                    step=step,
+                    version=version,
+                    keep=cfg.keep_checkpoints,
+                )
+            t2 = time.perf_counter()
+            path = export_hf(model, source, out / "weights" / f"v{version:06d}")
+            t3 = time.perf_counter()
+            error = None
+            if client and renewer:
+                for batch_id, group_ids in batch.leases.items():
+                    held.setdefault(batch_id, []).extend(group_ids)
+                try:
+                    held = commit(client, renewer, held, version, path, durable)
+                    prune_weights(out / "weights", cfg.keep_weights)
+                except GatewayHTTPError as e:
+                    error = str(e) + (
+                        " (another trainer publishing to this gateway?)" if e.status == 409 else ""
+                    )
+                except Exception as e:  # tell the other ranks, then fail on all of them
+                    error = f"{type(e).__name__}: {e}"
+            error = broadcast(error)
+            if error:
+                raise RuntimeError(f"publishing version {version} failed: {error}")
+
+            # ---------------- what to look at
+            rewards = batch.rewards
+            metrics.update(
+                reward_mean=statistics.fmean(rewards) if rewards else 0.0,
+                reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+                groups_accepted=len(batch.groups),
+                groups_filtered=batch.filtered,
+                groups_stale=batch.stale,
+                staleness_mean=statistics.fmean(batch.staleness) if batch.staleness else 0.0,
+                staleness_max=max(batch.staleness, default=0),
+                version=version,
+                tokens=sum(len(s.token_ids) for g in batch.groups for s in g.samples),
+                step_time_s=step_time,
+                checkpoint_time_s=t2 - t1,
+                publish_time_s=time.perf_counter() - t2,
+                export_time_s=t3 - t2,
+                lease_wait_s=batch.wait_s,
+            )
+            metrics["tokens_per_s"] = metrics["tokens"] / max(step_time, 1e-9)
+            if renewer and renewer.errors:
+                sink.note(f"lease renew errors: {renewer.errors[-3:]}")
+                renewer.errors.clear()
+            sink.log(step, metrics)
+    finally:
+        if renewer:
+            renewer.close()
+        if client:
+            client.close()
+        sink.close()
+        if main and sink.jsonl_path.exists():
+            plot_rewards(sink.jsonl_path, out / "rewards.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    config_file = None
+    if "--config" in args:
+        i = args.index("--config")
+        config_file = args[i + 1]
+        del args[i : i + 2]
+    cfg = load_config(config_file, parse_overrides(args))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    info = init_distributed(cfg.dist_timeout)
+    torch.manual_seed(cfg.seed)
+    try:
+        if cfg.mode == "sft":
+            from trainer.sft import run_sft
+
+            run_sft(cfg, info)
+        else:
+            run_rl(cfg, info)
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
