@@ -58,7 +58,7 @@ def _content(content: Any) -> str | tuple[str, ...]:
     parts = [p if isinstance(p, dict) else p.model_dump(exclude_none=True) for p in content]
     if all(p.get("type") == "text" for p in parts):
         return "".join(p.get("text") or "" for p in parts)
-    return tuple(_canonical_json(_drop_none(p)) for p in parts)
+    return tuple(_canonical_json(drop_none(p)) for p in parts)
 
 
 def _arguments(arguments: Any) -> str:
@@ -70,11 +70,12 @@ def _arguments(arguments: Any) -> str:
     return _canonical_json(arguments)
 
 
-def _drop_none(value: Any) -> Any:
+def drop_none(value: Any) -> Any:
+    """`value` without null-valued keys, recursively (clients differ in sending or omitting nulls)."""
     if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+        return {k: drop_none(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_drop_none(v) for v in value]
+        return [drop_none(v) for v in value]
     return value
 
 
@@ -100,7 +101,7 @@ def canonical_tools(tools: Sequence[Any] | None) -> str:
     """Tools compare by JSON with sorted keys and nulls dropped; `None` equals `[]`. Order matters:
     the template renders the tools in the order given."""
     dumped = [t if isinstance(t, dict) else t.model_dump() for t in tools or ()]
-    return _canonical_json(_drop_none(dumped))
+    return _canonical_json(drop_none(dumped))
 
 
 @dataclass(eq=False)

@@ -196,7 +196,12 @@ class SGLangClient:
         await self._call("POST", "/continue_generation", {})
 
     async def update_weights_from_disk(
-        self, model_path: str, weight_version: str, *, flush_cache: bool = True, abort_all_requests: bool = False
+        self,
+        model_path: str,
+        weight_version: str,
+        *,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
     ) -> None:
         """Load an HF folder readable by the server. Raises BackendRejected on `success: false`."""
         body = {
@@ -362,7 +367,10 @@ def _parse(obj: dict[str, Any], cls: type[_R], *, total: int | None = None, new:
         top_logprobs = (
             None
             if top is None
-            else [[(int(t[1]), float(t[0])) for t in row] if row else [] for row in _tail(top, total, new, "top")]
+            else [
+                [(int(t[1]), float(t[0])) for t in row] if row else []
+                for row in _tail(top, total, new, "top")
+            ]
         )
         version = meta.get("weight_version")
         return cls(

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-22 04:43:51.979841
+Create Date: 2026-11-22
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def upgrade() -> None:
     sa.Column('state', sa.String(length=16), nullable=False),
     sa.Column('end_reason', sa.String(length=128), nullable=True),
     sa.Column('reward', sa.Float(), nullable=True),
+    sa.Column('turn_count', sa.Integer(), nullable=False),
     sa.Column('created_at', sa.Float(), nullable=False),
     sa.Column('last_active_at', sa.Float(), nullable=False),
     sa.Column('ended_at', sa.Float(), nullable=True),

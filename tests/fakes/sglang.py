@@ -29,11 +29,9 @@ import asyncio
 import hashlib
 import os
 import random
-import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -43,35 +41,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tests.fakes.serve import ServerThread, serve_forever
+from tests.fakes.sglang_gen import Generation, bad, cached_prefix, event, render, step, validate
 
-SAMPLING_KEYS = frozenset(
-    "max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty "
-    "presence_penalty repetition_penalty min_new_tokens n json_schema regex ebnf structural_tag ignore_eos "
-    "skip_special_tokens spaces_between_special_tokens no_stop_trim custom_params stream_interval "
-    "logit_bias sampling_seed".split()
-)
 _POLL = 0.005
 
 
 class _Dropped(Exception):
     """Raised after the response head so uvicorn closes the connection (the `down` switch)."""
-
-
-@dataclass(eq=False)
-class _Gen:
-    rid: str
-    input_ids: list[int]
-    sp: dict[str, Any]
-    rng: random.Random
-    script: list[int] | None
-    cached: int
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[list[list[Any]]] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
-    abort_message: str | None = None
-    started: bool = False
-    t0: float = field(default_factory=time.monotonic)
 
 
 class FakeSGLang:
@@ -117,7 +93,7 @@ class FakeSGLang:
         self.disconnected: list[str] = []
         self._scripts: deque[list[int]] = deque()
         self._failures: deque[int] = deque()
-        self._gens: dict[str, _Gen] = {}
+        self._gens: dict[str, Generation] = {}
         self._history: deque[list[int]] = deque(maxlen=256)
         self._draws = 0
         info = "/get_model_info" if legacy else "/model_info"
@@ -174,165 +150,112 @@ class FakeSGLang:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.down:
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"99")]})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"99")]}
+            )
             raise _Dropped("fake is down")
         await self._app(scope, receive, send)
 
     # -- /generate ---------------------------------------------------------------------------------
 
     async def _generate(self, request: Request) -> Response:
-        payload = orjson.loads(await request.body())
+        try:
+            payload = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as e:
+            return bad(f"invalid JSON: {e}")
         self.requests.append(payload)
         if self._failures:
             status = self._failures.popleft()
             return JSONResponse({"error": {"message": f"fake: injected failure {status}"}}, status)
-        error = self._validate(payload)
+        error = validate(
+            payload, context_length=self.context_length, max_input=self.max_req_input_len, legacy=self.legacy
+        )
         if error is not None:
             return error
         ids = payload["input_ids"]
         sp = payload.get("sampling_params") or {}
         n = sp.get("n") or 1
+        top_n = payload.get("top_logprobs_num") or 0
         if n == 1 and not isinstance(ids[0], list):
-            gen = self._admit(ids, sp, payload.get("rid"))
+            gen = self._admit(ids, sp, payload.get("rid"), top_n)
             if payload.get("stream"):
                 return StreamingResponse(self._stream(gen, payload), media_type="text/event-stream")
             await self._finish(gen)
-            return JSONResponse(self._body(gen, payload, 0))
+            return JSONResponse(self._render(gen, payload))
         if payload.get("stream"):
-            return _bad("fake: streaming a batch or n > 1 is not supported")
-        gens = [self._admit(p, sp, None) for p in (ids if isinstance(ids[0], list) else [ids] * n)]
+            return bad("fake: streaming a batch or n > 1 is not supported")
+        gens = [self._admit(p, sp, None, top_n) for p in (ids if isinstance(ids[0], list) else [ids] * n)]
         await asyncio.gather(*(self._finish(g) for g in gens))
-        return JSONResponse([self._body(g, payload, 0) for g in gens])
+        return JSONResponse([self._render(g, payload) for g in gens])
 
-    def _validate(self, payload: dict[str, Any]) -> Response | None:
-        ids = payload.get("input_ids")
-        if not isinstance(ids, list) or not ids or any(isinstance(p, list) and not p for p in ids):
-            return _bad("The input_ids must be a non-empty list of token ids (the fake has no tokenizer).")
-        sp = payload.get("sampling_params") or {}
-        unknown = sorted(set(sp) - SAMPLING_KEYS)
-        if unknown:
-            text = f"SamplingParams.__init__() got an unexpected keyword argument '{unknown[0]}'"
-            if self.legacy:
-                return JSONResponse({"object": "error", "message": text, "code": 400}, 400)
-            return JSONResponse({"error": text}, 400)
-        checks = [
-            ("temperature", lambda v: v >= 0, "temperature must be non-negative"),
-            ("top_p", lambda v: 0 < v <= 1, "top_p must be in (0, 1]"),
-            ("top_k", lambda v: v == -1 or v >= 1, "top_k must be -1 (disable), or at least 1"),
-            ("min_p", lambda v: 0 <= v <= 1, "min_p must be in [0, 1]"),
-            ("max_new_tokens", lambda v: v >= 0, "max_new_tokens must be at least 0"),
-            ("min_new_tokens", lambda v: v >= 0, "min_new_tokens must be at least 0"),
-            ("n", lambda v: v >= 1, "n must be at least 1"),
-        ]
-        for key, ok, message in checks:
-            value = sp.get(key)
-            if value is not None and (not isinstance(value, int | float) or not ok(value)):
-                return _bad(f"{message}, got {value!r}.")
-        longest = max(len(p) for p in ids) if isinstance(ids[0], list) else len(ids)
-        if longest > self.max_req_input_len:
-            return _bad(
-                f"The input ({longest} tokens) is longer than the model's context length "
-                f"({self.context_length} tokens)."
-            )
-        max_new = sp.get("max_new_tokens")
-        if max_new is not None and longest + max_new > self.context_length:
-            return _bad(
-                f"Requested token count exceeds the model's maximum context length of {self.context_length} "
-                f"tokens. You requested a total of {longest + max_new} tokens: {longest} tokens from the input "
-                f"messages and {max_new} tokens for the completion."
-            )
-        return None
-
-    def _admit(self, input_ids: list[int], sp: dict[str, Any], rid: str | None) -> _Gen:
+    def _admit(self, input_ids: list[int], sp: dict[str, Any], rid: str | None, top_n: int) -> Generation:
         seed = sp.get("sampling_seed")
         temperature = sp.get("temperature")
         if seed is None and (temperature is None or temperature > 0):
             self._draws += 1
             seed = f"draw-{self._draws}"
         digest = hashlib.blake2b(orjson.dumps([self.seed, seed, input_ids]), digest_size=8).digest()
-        gen = _Gen(
+        gen = Generation(
             rid=rid or uuid.uuid4().hex,
             input_ids=input_ids,
             sp=sp,
             rng=random.Random(int.from_bytes(digest, "little")),
             script=self._scripts.popleft() if self._scripts else None,
-            cached=self._cached_prefix(input_ids),
+            cached=cached_prefix(self._history, input_ids),
+            top_n=top_n,
         )
         self._gens[gen.rid] = gen
         return gen
 
-    def _cached_prefix(self, ids: list[int]) -> int:
-        best = 0
-        for seq in self._history:
-            n = min(len(seq), len(ids) - 1)
-            i = 0
-            while i < n and seq[i] == ids[i]:
-                i += 1
-            best = max(best, i)
-        return best
-
-    async def _run(self, gen: _Gen) -> AsyncIterator[None]:
+    async def _run(self, gen: Generation) -> AsyncIterator[None]:
         """Generate token by token, yielding after each; honours pause, abort and the token delay."""
         while self.paused is not None and gen.abort_message is None:
             await asyncio.sleep(_POLL)  # the waiting queue: paused servers hold new requests
         if gen.abort_message is not None:
-            gen.finish = {"type": "abort", "message": "Abort before prefill" if self.legacy else gen.abort_message}
+            gen.finish = {
+                "type": "abort",
+                "message": "Abort before prefill" if self.legacy else gen.abort_message,
+            }
             return
         gen.started = True
         while gen.finish is None:
             if gen.abort_message is not None:
-                gen.finish = {"type": "abort", "message": gen.abort_message, "status_code": None, "err_type": None}
+                gen.finish = {
+                    "type": "abort",
+                    "message": gen.abort_message,
+                    "status_code": None,
+                    "err_type": None,
+                }
                 return
             if self.paused in ("retract", "in_place"):
                 await asyncio.sleep(_POLL)
                 continue
-            self._step(gen)
+            step(gen, self.vocab, self.eos_token_ids)
             yield
             if self.token_delay and gen.finish is None:
                 await asyncio.sleep(self.token_delay)
 
-    def _step(self, gen: _Gen) -> None:
-        sp, pos = gen.sp, len(gen.output)
-        max_new = 128 if sp.get("max_new_tokens") is None else sp["max_new_tokens"]
-        if pos >= max_new:  # max_new_tokens = 0
-            gen.finish = {"type": "length", "length": max_new}
-            return
-        token = gen.rng.choice(self.vocab)
-        logprob = -gen.rng.uniform(0.001, 4.999)
-        if gen.script is not None and pos < len(gen.script):
-            token = gen.script[pos]
-        gen.output.append(token)
-        gen.logprobs.append(logprob)
-        k = sp.get("top_logprobs_num") or 0
-        others = [[logprob - 0.25 * (j + 1), gen.rng.choice(self.vocab), None] for j in range(k - 1)]
-        gen.top.append([[logprob, token, None], *others][:k])
-        stops = set() if sp.get("ignore_eos") else set(sp.get("stop_token_ids") or ()) | self.eos_token_ids
-        if token in stops and pos + 1 >= (sp.get("min_new_tokens") or 0):
-            gen.finish = {"type": "stop", "matched": token}
-        elif pos + 1 >= max_new:
-            gen.finish = {"type": "length", "length": max_new}
-
-    async def _finish(self, gen: _Gen) -> None:
+    async def _finish(self, gen: Generation) -> None:
         try:
             async for _ in self._run(gen):
                 pass
         finally:
             self._retire(gen)
 
-    def _retire(self, gen: _Gen) -> None:
+    def _retire(self, gen: Generation) -> None:
         self._gens.pop(gen.rid, None)
         if gen.finish is not None and gen.finish["type"] == "abort":
             self.aborted.append(gen.rid)
         self._history.append(gen.input_ids + gen.output)
 
-    async def _stream(self, gen: _Gen, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def _stream(self, gen: Generation, payload: dict[str, Any]) -> AsyncIterator[bytes]:
         sent = 0
         try:
             async for _ in self._run(gen):
                 if gen.finish is None and len(gen.output) - sent >= self.stream_interval:
-                    yield _event(self._body(gen, payload, sent if self.incremental else 0, sent))
+                    yield event(self._render(gen, payload, sent))
                     sent = len(gen.output)
-            yield _event(self._body(gen, payload, sent if self.incremental else 0, sent))
+            yield event(self._render(gen, payload, sent))
             yield b"data: [DONE]\n\n"
         finally:
             if gen.finish is None:  # the client went away (Starlette cancelled us): SGLang aborts
@@ -340,33 +263,16 @@ class FakeSGLang:
                 self.disconnected.append(gen.rid)
             self._retire(gen)
 
-    def _body(self, gen: _Gen, payload: dict[str, Any], since: int, sent: int = 0) -> dict[str, Any]:
-        """One answer or chunk: output from `since` (0 = cumulative); logprobs from `sent` when deltas."""
-        meta: dict[str, Any] = {
-            "id": gen.rid,
-            "finish_reason": gen.finish,
-            "prompt_tokens": len(gen.input_ids),
-            "completion_tokens": len(gen.output),
-            "cached_tokens": gen.cached,
-            "weight_version": self.weight_version,
-            "e2e_latency": time.monotonic() - gen.t0,
-        }
-        if payload.get("return_logprob"):
-            lp_from = sent if self.incremental_logprobs else 0
-            meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [
-                [lp, t, None] for lp, t in zip(gen.logprobs[lp_from:], gen.output[lp_from:], strict=True)
-            ]
-            if payload.get("top_logprobs_num"):
-                meta["output_top_logprobs"] = gen.top[lp_from:]
-        body: dict[str, Any] = {"output_ids": gen.output[since:], "meta_info": meta}
-        if not self.skip_tokenizer_init:
-            matched = (gen.finish or {}).get("matched")
-            ids = gen.output[since:]
-            if matched is not None and ids and ids[-1] == matched:
-                ids = ids[:-1]
-            body["text"] = "".join(f"<{t}>" for t in ids)
-        return body
+    def _render(self, gen: Generation, payload: dict[str, Any], sent: int = 0) -> dict[str, Any]:
+        """The answer (sent = 0), or a stream chunk after `sent` tokens went out."""
+        return render(
+            gen,
+            payload,
+            since=sent if self.incremental else 0,
+            lp_from=sent if self.incremental_logprobs else 0,
+            weight_version=self.weight_version,
+            text=not self.skip_tokenizer_init,
+        )
 
     # -- control -----------------------------------------------------------------------------------
 
@@ -389,7 +295,7 @@ class FakeSGLang:
     async def _pause(self, request: Request) -> Response:
         mode = (await self._json(request)).get("mode") or "abort"
         if mode not in ("abort", "retract", "in_place"):
-            return _bad(f"Invalid mode: {mode}")
+            return bad(f"Invalid mode: {mode}")
         self.paused = mode
         if mode == "abort":
             self._abort_matching("", abort_all=True)
@@ -416,7 +322,9 @@ class FakeSGLang:
             self.weight_version = str(body["weight_version"])
         if body.get("flush_cache", True):
             self._history.clear()
-        return JSONResponse({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
+        return JSONResponse(
+            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        )
 
     async def _update_version(self, request: Request) -> Response:
         body = await self._json(request)
@@ -461,14 +369,6 @@ class FakeSGLang:
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)
-
-
-def _bad(message: str) -> Response:
-    return JSONResponse({"error": {"message": message}}, 400)
-
-
-def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_fakes import make_tiny_model
+
+from tests.trainer.trainer_fakes import make_tiny_model
 
 
 @pytest.fixture(autouse=True)

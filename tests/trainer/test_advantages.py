@@ -17,7 +17,9 @@ def sample(sid: str, returns: list[float], mask: list[int], reward: float | None
 
 def group(rewards: dict[str, float], samples: list[Sample], states: dict[str, str] | None = None) -> Group:
     states = states or {}
-    return Group("g", None, [SessionInfo(s, r, states.get(s, "finished")) for s, r in rewards.items()], samples)
+    return Group(
+        "g", None, [SessionInfo(s, r, states.get(s, "finished")) for s, r in rewards.items()], samples
+    )
 
 
 def test_each_session_counts_once_in_the_baseline() -> None:
@@ -47,9 +49,13 @@ def test_std_normalisation() -> None:
     mean, scale = baseline_and_scale([1.0, 0.0, 0.0], std_norm=True)
     assert mean == pytest.approx(1 / 3)
     assert scale == pytest.approx(math.sqrt(2 / 9))
-    g = group({"a": 1.0, "b": 0.0, "c": 0.0}, [sample(s, [r, r], [0, 1]) for s, r in (("a", 1), ("b", 0), ("c", 0))])
+    g = group(
+        {"a": 1.0, "b": 0.0, "c": 0.0}, [sample(s, [r, r], [0, 1]) for s, r in (("a", 1), ("b", 0), ("c", 0))]
+    )
     sg = score_group(g, std_norm=True)
-    assert [adv[1] for adv in sg.advantages] == pytest.approx([math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2)])
+    assert [adv[1] for adv in sg.advantages] == pytest.approx(
+        [math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2)]
+    )
 
 
 def test_per_turn_returns_subtract_the_session_baseline_per_token() -> None:
@@ -87,6 +93,10 @@ def test_abandoned_and_unrewarded_sessions_leave_the_group() -> None:
 
 def test_session_reward_falls_back_to_the_samples() -> None:
     # The session list carries no reward: take it from the session's samples. rewards 2, 0 -> baseline 1.
-    g = Group("g", None, [SessionInfo("a", None, "finished"), SessionInfo("b", None, "finished")],
-              [sample("a", [2.0], [1], reward=2.0), sample("b", [0.0], [1], reward=0.0)])
+    g = Group(
+        "g",
+        None,
+        [SessionInfo("a", None, "finished"), SessionInfo("b", None, "finished")],
+        [sample("a", [2.0], [1], reward=2.0), sample("b", [0.0], [1], reward=0.0)],
+    )
     assert score_group(g, std_norm=False).advantages == [[1.0], [-1.0]]

@@ -12,9 +12,16 @@ from trainer.loss import PolicyInputs, PPOParams, ppo_loss, sft_loss, token_logp
 LN = math.log
 
 
-def inputs(logp: list[float], prox: list[float], behav: list[float], adv: list[float], mask: list[float],
-           weight: list[float] | None = None, normalizer: float | None = None,
-           ref: list[float] | None = None) -> PolicyInputs:
+def inputs(
+    logp: list[float],
+    prox: list[float],
+    behav: list[float],
+    adv: list[float],
+    mask: list[float],
+    weight: list[float] | None = None,
+    normalizer: float | None = None,
+    ref: list[float] | None = None,
+) -> PolicyInputs:
     t = lambda x: torch.tensor([x], dtype=torch.float64)  # noqa: E731  (B=1, T)
     return PolicyInputs(
         logprobs=t(logp).requires_grad_(), proximal_logprobs=t(prox), behaviour_logprobs=t(behav),
@@ -71,8 +78,14 @@ def test_seq_mean_and_token_mean_aggregation() -> None:
     assert ppo_loss(seq, PPOParams())[0].item() == pytest.approx(-2.0)
 
 
-def plain_ppo(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, eps_low: float,
-              eps_high: float) -> torch.Tensor:
+def plain_ppo(
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> torch.Tensor:
     """Reference: PPO-clip (Schulman et al. 2017) with pi_old, token mean."""
     ratio = torch.exp(logp - old)
     obj = torch.min(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)

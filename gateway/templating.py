@@ -1,0 +1,263 @@
+"""Chat template + tokenizer: prompt ids for a request, and the exact ids that extend a session's chain.
+
+The gateway renders and tokenizes itself, and a later turn of a session reuses the parent's prompt +
+completion ids verbatim, tokenizing only what is new (lessons "Tokens": retokenization drift). The new
+part is found by rendering text: the conversation with the new messages must render to the parent's
+conversation followed by more text ("prefix stable"); the ids of that extra text, after the "bridge"
+the template puts between the end-of-turn token and the next message (ChatML's "\\n", which the model
+never generates; verl#6921 lost it), are the extension. Templates that rewrite history (strip old
+reasoning, add date lines) are not prefix stable there; the caller then starts a new chain.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gateway.continuity import drop_none
+from gateway.tool_parsers import ParsedReply, ToolParser, get_tool_parser, parse_reply
+
+# Tokens that end an assistant turn, by template family, in order of preference.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+Message = Mapping[str, Any]
+
+
+def _text(content: Any) -> str:
+    """Message content as the template wants it: a string (text parts joined, null as "")."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ValueError(f"content parts of type {part.get('type')!r} are not supported; send text")
+        texts.append(part.get("text") or "")
+    return "".join(texts)
+
+
+def _hf_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or call)
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            fn["arguments"] = json.loads(args)
+        except json.JSONDecodeError:
+            pass  # not JSON: the template renders the string as it came
+    elif args is None:
+        fn["arguments"] = {}
+    out = {k: v for k, v in call.items() if v is not None}
+    out["type"] = "function"
+    out["function"] = fn
+    return out
+
+
+def hf_message(msg: Message) -> dict[str, Any]:
+    """An OpenAI-form message in the form HF templates expect.
+
+    Null fields are dropped (Llama's template tests `'tool_calls' in message`), content becomes a
+    string, and tool-call arguments become dicts (templates render them with `tojson`).
+    """
+    out = {k: v for k, v in msg.items() if v is not None}
+    out["content"] = _text(msg.get("content"))
+    if out.get("tool_calls"):
+        out["tool_calls"] = [_hf_tool_call(c) for c in out["tool_calls"]]
+    else:
+        out.pop("tool_calls", None)
+    return out
+
+
+def _generation_eos_ids(tokenizer: Any) -> list[int]:
+    """eos ids from generation_config.json next to the tokenizer, else the tokenizer's eos."""
+    path = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            return [eos]
+        if isinstance(eos, list):
+            return [int(i) for i in eos]
+    return [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+
+
+def _detect_end_of_turn(tokenizer: Any, vocab: Mapping[str, int]) -> str:
+    """The end-of-turn token: the first known one the chat template uses, else the first in the
+    vocabulary, else eos (vocabularies often carry other families' tokens unused)."""
+    template = tokenizer.chat_template
+    source = json.dumps(template) if isinstance(template, dict) else str(template or "")
+    for token in END_OF_TURN_TOKENS:
+        if token in vocab and token in source:
+            return token
+    for token in END_OF_TURN_TOKENS:
+        if token in vocab:
+            return token
+    if tokenizer.eos_token is None:
+        raise ValueError("cannot tell the end-of-turn token: pass end_of_turn")
+    return str(tokenizer.eos_token)
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ChatTemplate:
+    """A tokenizer's chat template, its stop ids and its tool-call format, for one served model."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        tool_parser: str = "hermes",
+        end_of_turn: str | None = None,
+        generation_eos_ids: Sequence[int] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.tool_parser: ToolParser = get_tool_parser(tool_parser)
+        self.template_kwargs = dict(template_kwargs or {})
+        """Extra variables for the template (e.g. Qwen3's enable_thinking)."""
+        vocab = tokenizer.get_vocab()
+        self.end_of_turn = end_of_turn or _detect_end_of_turn(tokenizer, vocab)
+        if self.end_of_turn not in vocab:
+            raise ValueError(f"end-of-turn token {self.end_of_turn!r} is not in the vocabulary")
+        self.end_of_turn_id: int = vocab[self.end_of_turn]
+        eos = list(generation_eos_ids) if generation_eos_ids is not None else _generation_eos_ids(tokenizer)
+        self.stop_token_ids: list[int] = list(dict.fromkeys([*eos, self.end_of_turn_id]))
+        """Model eos ids (generation_config) and the end-of-turn id, deduplicated, in that order."""
+        self._stop_set = frozenset(self.stop_token_ids)
+        self._markers = tuple(self.decode([i]) for i in self.stop_token_ids)
+
+    # --- rendering ---------------------------------------------------------------------------------
+
+    def render_text(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None, *, add_generation_prompt: bool = True
+    ) -> str:
+        text = self.tokenizer.apply_chat_template(
+            [hf_message(m) for m in messages],
+            tools=drop_none(list(tools)) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **self.template_kwargs,
+        )
+        return str(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Text to ids; no BOS is added (a template that wants one renders it)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_ids(self, messages: Sequence[Message], tools: Sequence[Any] | None) -> list[int]:
+        """The prompt of a first turn (or of a new chain): the whole conversation + generation prompt."""
+        return self.encode(self.render_text(messages, tools, add_generation_prompt=True))
+
+    def extension_ids(
+        self,
+        prev_messages: Sequence[Message],
+        prev_completion_ids: Sequence[int],
+        new_messages: Sequence[Message],
+        tools: Sequence[Any] | None,
+    ) -> list[int] | None:
+        """The ids to append to the parent's prompt + completion ids for `new_messages`, or None when
+        the template is not prefix stable here (the caller starts a new chain,
+        "template_not_prefix_stable").
+
+        `prev_messages` is the parent's request messages followed by its reply (an assistant message).
+        The result is: [end-of-turn, when the parent was cut off without a stop token] + the bridge
+        after the reply's end-of-turn + the new messages + the generation prompt. All of it is prompt
+        (loss mask 0). Whatever stop token the model emitted (Llama's <|eom_id|> or <|eot_id|>) stays
+        in the chain as emitted.
+        """
+        if not prev_messages or not new_messages:
+            raise ValueError("extension_ids needs the parent's messages and at least one new message")
+        full = self.render_text([*prev_messages, *new_messages], tools, add_generation_prompt=True)
+        prefix = self.render_text(prev_messages, tools, add_generation_prompt=False)
+        if not full.startswith(prefix):
+            return None
+        # The reply's end-of-turn is the last stop marker inside the reply's own rendering: a
+        # template that renders a final assistant message unterminated would otherwise send us
+        # back to the end of an earlier message.
+        head = self.render_text(prev_messages[:-1], tools, add_generation_prompt=False)
+        reply_start = _common_prefix_len(head, prefix)
+        end = -1
+        for marker in self._markers:
+            at = prefix.rfind(marker, reply_start)
+            if at >= 0:
+                end = max(end, at + len(marker))
+        if end < 0:
+            return None
+        text = prefix[end:] + full[len(prefix) :]
+        if not prev_completion_ids or prev_completion_ids[-1] not in self._stop_set:
+            text = self.end_of_turn + text  # cut off by max_tokens (or aborted): close the turn
+        return self.encode(text)
+
+    # --- replies -----------------------------------------------------------------------------------
+
+    def completion_text(self, ids: Sequence[int]) -> str:
+        """The reply text for the parsers: special tokens kept (they carry the markers), the final
+        stop token dropped."""
+        if ids and ids[-1] in self._stop_set:
+            ids = ids[:-1]
+        return self.decode(ids)
+
+    def parse(self, ids: Sequence[int], *, reasoning: bool = True, tools_offered: bool = True) -> ParsedReply:
+        """Completion ids to reasoning, content and tool calls (no tool parsing when none were offered)."""
+        parser = self.tool_parser if tools_offered else None
+        return parse_reply(self.completion_text(ids), parser, reasoning=reasoning)
+
+    @staticmethod
+    def assistant_message(parsed: ParsedReply) -> dict[str, Any]:
+        """The reply as the OpenAI-form assistant message a client sends back (and continuity stores).
+
+        `reasoning_content` is kept when there is some: templates that render it see it on the
+        parent, and continuity ignores it when comparing, so clients that drop it still extend.
+        """
+        msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning_content is not None:
+            msg["reasoning_content"] = parsed.reasoning_content
+        if parsed.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in parsed.tool_calls
+            ]
+        return msg
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids to text with special tokens kept and no space clean-up (the exact text)."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+
+class IncrementalDetokenizer:
+    """Text deltas for ids that arrive a few at a time, decoding only a short window each time.
+
+    Decoding all ids at every chunk is quadratic in the reply length; this keeps two offsets (as
+    vLLM's detokenizer does) and holds back a delta that ends in an incomplete UTF-8 sequence.
+    Stop ids are dropped (they end the reply; their text is not content).
+    """
+
+    def __init__(self, template: ChatTemplate) -> None:
+        self._decode = template.decode
+        self._stop = frozenset(template.stop_token_ids)
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # ids before this are already in the returned text
+
+    def feed(self, new_ids: Iterable[int]) -> str:
+        self._ids.extend(i for i in new_ids if i not in self._stop)
+        before = self._decode(self._ids[self._prefix : self._read])
+        now = self._decode(self._ids[self._prefix :])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return now[len(before) :]
+
+    def flush(self) -> str:
+        """The rest, incomplete characters included (the reply ended inside one)."""
+        before = self._decode(self._ids[self._prefix : self._read])
+        now = self._decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return now[len(before) :]
