@@ -82,10 +82,9 @@ def _generation_eos_ids(tokenizer: Any) -> list[int]:
     return [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
 
 
-def _detect_end_of_turn(tokenizer: Any, vocab: Mapping[str, int]) -> str:
+def _detect_end_of_turn(template: Any, vocab: Mapping[str, int], eos_token: str | None) -> str:
     """The end-of-turn token: the first known one the chat template uses, else the first in the
     vocabulary, else eos (vocabularies often carry other families' tokens unused)."""
-    template = tokenizer.chat_template
     source = json.dumps(template) if isinstance(template, dict) else str(template or "")
     for token in END_OF_TURN_TOKENS:
         if token in vocab and token in source:
@@ -93,9 +92,9 @@ def _detect_end_of_turn(tokenizer: Any, vocab: Mapping[str, int]) -> str:
     for token in END_OF_TURN_TOKENS:
         if token in vocab:
             return token
-    if tokenizer.eos_token is None:
+    if eos_token is None:
         raise ValueError("cannot tell the end-of-turn token: pass end_of_turn")
-    return str(tokenizer.eos_token)
+    return str(eos_token)
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -116,14 +115,18 @@ class ChatTemplate:
         tool_parser: str = "hermes",
         end_of_turn: str | None = None,
         generation_eos_ids: Sequence[int] | None = None,
+        chat_template: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        """Replaces the tokenizer's own template when given (e.g. a --chat-template file)."""
         self.tool_parser: ToolParser = get_tool_parser(tool_parser)
         self.template_kwargs = dict(template_kwargs or {})
         """Extra variables for the template (e.g. Qwen3's enable_thinking)."""
         vocab = tokenizer.get_vocab()
-        self.end_of_turn = end_of_turn or _detect_end_of_turn(tokenizer, vocab)
+        self.end_of_turn = end_of_turn or _detect_end_of_turn(chat_template or tokenizer.chat_template, vocab,
+                                                              tokenizer.eos_token)
         if self.end_of_turn not in vocab:
             raise ValueError(f"end-of-turn token {self.end_of_turn!r} is not in the vocabulary")
         self.end_of_turn_id: int = vocab[self.end_of_turn]
@@ -143,6 +146,7 @@ class ChatTemplate:
             tools=drop_none(list(tools)) if tools else None,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            chat_template=self.chat_template,
             **self.template_kwargs,
         )
         return str(text)

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,7 @@ def _barrier() -> None:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded CPU tensors on rank 0 (empty elsewhere). Collective."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=opts))
 
 
 def save_dtype(config: object) -> torch.dtype:
@@ -91,7 +92,7 @@ def export_hf(model: nn.Module, source_dir: str | Path, dest: str | Path) -> Pat
     dest = Path(dest).resolve()
     state = full_state_dict(model)
     if _rank() == 0:
-        config = model.config  # type: ignore[attr-defined]
+        config: Any = model.config
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         dtype = save_dtype(config)
@@ -155,9 +156,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path) -> tuple[int, int]:
     """Restore model + optimizer in place (any world size: DCP reshards); returns (step, version)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))  # fills both in place
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     meta = json.loads((Path(path) / "trainer_state.json").read_text())
     return int(meta["step"]), int(meta["version"])
 

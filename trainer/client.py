@@ -57,7 +57,7 @@ class Sample:
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
-        arrays = [self.loss_mask, self.logprobs, self.versions, self.returns]
+        arrays: list[list[Any]] = [self.loss_mask, self.logprobs, self.versions, self.returns]
         if isinstance(self.temperature, list):
             arrays.append(self.temperature)
         if any(len(a) != n for a in arrays):

@@ -65,7 +65,7 @@ def run_minibatches(
     device: torch.device,
 ) -> dict[str, float]:
     world = dist.get_world_size() if dist.is_initialized() else 1
-    sums: dict[str, Tensor] = {}
+    sums: dict[str, Tensor] = {}  # metric sums over this rank's micro-batches
     grad_norms = []
     for i, (minibatch, micro) in enumerate(zip(plan, batches, strict=True)):
         optimizer.zero_grad(set_to_none=True)
@@ -77,23 +77,23 @@ def run_minibatches(
             metrics["loss_sum"] = loss.detach()
             if entropy is not None:
                 metrics["entropy_sum"] = (entropy * mb.loss_mask).sum()
-            metrics["padded_tokens"] = torch.tensor(float(mb.n_tokens))
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, torch.zeros(())) + v.detach().float().cpu()
+            metrics["padded_tokens"] = torch.tensor(float(mb.n_tokens), device=mb.input_ids.device)
+            for k, v in metrics.items():  # kept on the device: no sync per micro-batch
+                sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
         if max_grad_norm > 0:
             norm: Any = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         optimizer.step()
     out = _all_reduce_sums(sums, device)
     tokens = max(out.pop("tokens"), 1.0)
-    result = {
+    result: dict[str, float] = {
         "loss": out.pop("loss_sum") / max(len(plan), 1),
         "loss_tokens": tokens,
         "padded_tokens": out.pop("padded_tokens"),
         "minibatches": float(len(plan)),
     }
-    for k, v in out.items():
-        result[k.removesuffix("_sum")] = v / tokens  # per loss token: entropy, kl, clipped, nll, ...
+    for k, total in out.items():
+        result[k.removesuffix("_sum")] = total / tokens  # per loss token: entropy, kl, clipped, nll, ...
     if grad_norms:
         result["grad_norm"] = sum(grad_norms) / len(grad_norms)
     return result

@@ -24,15 +24,17 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 import torch
 
 from trainer.advantages import ScoredGroup, score_group
 from trainer.batching import plan_step, rows_of
 from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, prune_weights, save_checkpoint
-from trainer.client import GatewayClient, GatewayHTTPError, LeaseRenewer
+from trainer.client import GatewayClient, LeaseRenewer
 from trainer.config import TrainConfig, load_config, parse_overrides
 from trainer.fsdp import DistInfo, broadcast, init_distributed, load_sharded_model, shutdown
 from trainer.loss import PPOParams
@@ -56,7 +58,6 @@ class StepBatch:
     stale: int = 0
     staleness: list[int] = field(default_factory=list)
     wait_s: float = 0.0
-    error: str | None = None
 
 
 def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, version: int) -> StepBatch:
@@ -116,46 +117,55 @@ def commit(
     return {}
 
 
+T = TypeVar("T")
+
+
+def on_rank0(info: DistInfo, what: str, fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn` on rank 0 and hand its result to every rank. If it raises, every rank raises (the others
+    would otherwise wait in the next collective until the process group times out)."""
+    result: Any = None
+    error: BaseException | None = None
+    if info.is_main:
+        try:
+            result = fn(*args)
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+    result, message = broadcast((result, None if error is None else f"{type(error).__name__}: {error}"))
+    if message is not None:
+        raise RuntimeError(f"{what} failed on rank 0: {message}") from error
+    return cast(T, result)
+
+
 def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
     out = Path(cfg.out).resolve()
-    main = info.is_main
-    client = GatewayClient(cfg.gateway, cfg.resolved_admin_key(), cfg.http_timeout) if main else None
-
-    # ---------------- starting weights: the served version, else --model; then our last checkpoint
-    start = client.current_weights() if client else None
-    gw_version, gw_path = broadcast(start)
-    source = gw_path if gw_path and Path(gw_path).is_dir() else cfg.model
-    model = load_sharded_model(source, info)
-    ref_model = load_sharded_model(source, info, trainable=False) if cfg.kl_coef > 0 else None
-    optimizer = make_optimizer(model, cfg)
-    step, version = 0, gw_version
-    ckpt = latest_checkpoint(out / "checkpoints")
-    if ckpt is not None:
-        step, ckpt_version = load_checkpoint(model, optimizer, ckpt)
-        version = max(ckpt_version, gw_version)
-    params = PPOParams(
-        cfg.clip_low, cfg.clip_high, cfg.behaviour_weight_cap, cfg.behaviour_weight_cap_mode, cfg.kl_coef
-    )
-    sink = MetricsSink(out, enabled=main, total_steps=cfg.steps or None)
-    sink.note(
-        f"trainer: {info.world_size} rank(s) on {info.device}, from {source} (step {step}, "
-        f"version {version}{', checkpoint ' + str(ckpt) if ckpt else ''})"
-    )
-    renewer = LeaseRenewer(client, cfg.lease_seconds) if client else None
-    held: dict[str, list[str]] = {}  # leases whose update is not yet in a durable checkpoint
-
+    client = GatewayClient(cfg.gateway, cfg.resolved_admin_key(), cfg.http_timeout) if info.is_main else None
+    renewer: LeaseRenewer | None = None
+    sink = MetricsSink(out, enabled=info.is_main, total_steps=cfg.steps or None)
     try:
+        # ---------------- starting weights: the served version, else --model; then our last checkpoint
+        gw_version, gw_path = on_rank0(info, "reading GET /v1/weights", GatewayClient.current_weights, client)
+        source = gw_path if gw_path and Path(gw_path).is_dir() else cfg.model
+        model = load_sharded_model(source, info)
+        ref_model = load_sharded_model(source, info, trainable=False) if cfg.kl_coef > 0 else None
+        optimizer = make_optimizer(model, cfg)
+        step, version = 0, gw_version
+        ckpt = latest_checkpoint(out / "checkpoints")
+        if ckpt is not None:
+            step, ckpt_version = load_checkpoint(model, optimizer, ckpt)
+            version = max(ckpt_version, gw_version)
+        params = PPOParams(
+            cfg.clip_low, cfg.clip_high, cfg.behaviour_weight_cap, cfg.behaviour_weight_cap_mode, cfg.kl_coef
+        )
+        sink.note(
+            f"trainer: {info.world_size} rank(s) on {info.device}, from {source} (step {step}, "
+            f"version {version}{', checkpoint ' + str(ckpt) if ckpt else ''})"
+        )
+        renewer = LeaseRenewer(client, cfg.lease_seconds) if client else None
+        held: dict[str, list[str]] = {}  # leases whose update is not yet in a durable checkpoint
+
         while cfg.steps == 0 or step < cfg.steps:
-            # ---------------- lease (rank 0), then every rank gets the same groups
-            batch = StepBatch()
-            if client and renewer:
-                try:
-                    batch = collect(client, renewer, cfg, version)
-                except Exception as e:  # tell the other ranks, then fail on all of them
-                    batch = StepBatch(error=f"{type(e).__name__}: {e}")
-            batch = broadcast(batch)
-            if batch.error:
-                raise RuntimeError(f"leasing failed on rank 0: {batch.error}")
+            # ---------------- lease (rank 0); every rank gets the same groups
+            batch = on_rank0(info, "leasing", collect, client, renewer, cfg, version)
             if not batch.groups:
                 sink.note(
                     f"no trainable group within {cfg.wait_seconds:.0f}s "
@@ -174,14 +184,9 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
                 loss_agg=cfg.loss_agg,
             )
             metrics = rl_step(
-                model,
-                optimizer,
-                plan,
-                params,
-                max_grad_norm=cfg.max_grad_norm,
-                device=info.device,
+                model, optimizer, plan, params, max_grad_norm=cfg.max_grad_norm, device=info.device,
                 ref_model=ref_model,
-            )
+            )  # fmt: skip
             step_time = time.perf_counter() - t0
             step += 1
             version += 1
@@ -201,22 +206,13 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             t2 = time.perf_counter()
             path = export_hf(model, source, out / "weights" / f"v{version:06d}")
             t3 = time.perf_counter()
-            error = None
-            if client and renewer:
-                for batch_id, group_ids in batch.leases.items():
-                    held.setdefault(batch_id, []).extend(group_ids)
-                try:
-                    held = commit(client, renewer, held, version, path, durable)
-                    prune_weights(out / "weights", cfg.keep_weights)
-                except GatewayHTTPError as e:
-                    error = str(e) + (
-                        " (another trainer publishing to this gateway?)" if e.status == 409 else ""
-                    )
-                except Exception as e:  # tell the other ranks, then fail on all of them
-                    error = f"{type(e).__name__}: {e}"
-            error = broadcast(error)
-            if error:
-                raise RuntimeError(f"publishing version {version} failed: {error}")
+            for batch_id, group_ids in batch.leases.items():
+                held.setdefault(batch_id, []).extend(group_ids)
+            held = on_rank0(
+                info, f"publishing version {version}", commit, client, renewer, held, version, path, durable
+            )
+            if info.is_main:
+                prune_weights(out / "weights", cfg.keep_weights)
 
             # ---------------- what to look at
             rewards = batch.rewards
@@ -232,8 +228,8 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
                 tokens=sum(len(s.token_ids) for g in batch.groups for s in g.samples),
                 step_time_s=step_time,
                 checkpoint_time_s=t2 - t1,
-                publish_time_s=time.perf_counter() - t2,
                 export_time_s=t3 - t2,
+                publish_time_s=time.perf_counter() - t2,
                 lease_wait_s=batch.wait_s,
             )
             metrics["tokens_per_s"] = metrics["tokens"] / max(step_time, 1e-9)
@@ -247,7 +243,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
         if client:
             client.close()
         sink.close()
-        if main and sink.jsonl_path.exists():
+        if info.is_main and sink.jsonl_path.exists():
             plot_rewards(sink.jsonl_path, out / "rewards.png")
 
 

@@ -16,8 +16,9 @@ strings are accepted and ignored (no tokenizer). `text` is "<id><id>..." unless
 /get_server_info, and the old error shape for unknown sampling keys.
 
 Test handles: `requests` (/generate payloads), `calls` (control calls as (path, body)), `aborted` and
-`disconnected` (rids), `script()`, `fail_next()`, `down` (drop every connection), `healthy` (503 on
-/health), `stop()`/`start()` (connection refused, same port).
+`disconnected` (rids), `running` (requests in flight), `script()`, `fail_next()` (HTTP errors),
+`fail_stream()` (an SSE error event or a dropped connection mid-stream), `down` (drop every connection),
+`healthy` (503 on /health), `stop()`/`start()` (connection refused, same port).
 
 As a process: python -m tests.fakes.sglang --port 30000 [--incremental] [--token-delay 0.01]
 """
@@ -31,7 +32,7 @@ import os
 import random
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import orjson
@@ -93,6 +94,7 @@ class FakeSGLang:
         self.disconnected: list[str] = []
         self._scripts: deque[list[int]] = deque()
         self._failures: deque[int] = deque()
+        self._stream_failures: deque[tuple[int, str | None]] = deque()
         self._gens: dict[str, Generation] = {}
         self._history: deque[list[int]] = deque(maxlen=256)
         self._draws = 0
@@ -133,6 +135,11 @@ class FakeSGLang:
     def fail_next(self, n: int = 1, status: int = 503) -> None:
         """Answer the next n /generate calls with this HTTP status."""
         self._failures.extend([status] * n)
+
+    def fail_stream(self, after_tokens: int, message: str | None = "fake: error mid-stream") -> None:
+        """Break the next streamed /generate once it has produced `after_tokens` tokens: with an SSE
+        `{"error": {"message"}}` event, or with message=None by dropping the connection."""
+        self._stream_failures.append((after_tokens, message))
 
     def start(self) -> FakeSGLang:
         self._server.start()
@@ -209,8 +216,8 @@ class FakeSGLang:
 
     async def _run(self, gen: Generation) -> AsyncIterator[None]:
         """Generate token by token, yielding after each; honours pause, abort and the token delay."""
-        while self.paused is not None and gen.abort_message is None:
-            await asyncio.sleep(_POLL)  # the waiting queue: paused servers hold new requests
+        # The waiting queue: a paused server holds new requests until continue (or their abort).
+        await _until(lambda: self.paused is None or gen.abort_message is not None)
         if gen.abort_message is not None:
             gen.finish = {
                 "type": "abort",
@@ -250,8 +257,16 @@ class FakeSGLang:
 
     async def _stream(self, gen: Generation, payload: dict[str, Any]) -> AsyncIterator[bytes]:
         sent = 0
+        failure = self._stream_failures.popleft() if self._stream_failures else None
         try:
             async for _ in self._run(gen):
+                if failure is not None and len(gen.output) >= failure[0]:
+                    gen.finish = {"type": "abort", "message": failure[1] or "dropped"}
+                    if failure[1] is None:
+                        raise _Dropped("fake: connection dropped mid-stream")
+                    yield event({"error": {"message": failure[1]}})
+                    yield b"data: [DONE]\n\n"
+                    return
                 if gen.finish is None and len(gen.output) - sent >= self.stream_interval:
                     yield event(self._render(gen, payload, sent))
                     sent = len(gen.output)
@@ -309,13 +324,12 @@ class FakeSGLang:
     async def _update_weights(self, request: Request) -> Response:
         body = await self._json(request)
         path = body.get("model_path") or ""
-        if not os.path.exists(path):
+        if not await asyncio.to_thread(os.path.exists, path):
             message = f"Failed to update weights: {path!r} does not exist."
             return JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, 400)
         if body.get("abort_all_requests"):
             self._abort_matching("", abort_all=True)
-        while self.paused is None and self._gens:  # an unpaused server lets running requests finish
-            await asyncio.sleep(_POLL)
+        await _until(lambda: self.paused is not None or not self._gens)  # unpaused: let running ones finish
         await asyncio.sleep(self.load_delay)
         self.model_path = path
         if body.get("weight_version") is not None:
@@ -369,6 +383,13 @@ class FakeSGLang:
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    # Polling, not asyncio.Event: the state is flipped from test threads and must outlive a server
+    # restart, which brings a new event loop.
+    while not condition():  # noqa: ASYNC110
+        await asyncio.sleep(_POLL)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,219 @@
+"""Message equality and the choice of a new turn's parent (design "Continuity"; pure, no tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from gateway.continuity import (
+    Candidate,
+    CanonicalMessage,
+    ParentChoice,
+    canonical_message,
+    canonical_tools,
+    choose_parent,
+    messages_equal,
+)
+from gateway.protocol import ChatMessage
+
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+]
+SYSTEM = {"role": "system", "content": "You are terse."}
+USER = {"role": "user", "content": "Weather in Paris?"}
+CALL = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}],
+}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"}
+ANSWER = {"role": "assistant", "content": "Sunny, 21 °C."}
+USER2 = {"role": "user", "content": "And Rome?"}
+
+
+def test_canonical_form_keeps_what_the_model_saw() -> None:
+    assert canonical_message(CALL) == CanonicalMessage(
+        role="assistant", content="", tool_calls=(("get_weather", '{"city":"Paris","unit":"C"}'),), tool_call_id=None
+    )
+    assert canonical_message(RESULT) == CanonicalMessage("tool", "sunny, 21", (), "call_1")
+    assert hash(canonical_message(CALL)) == hash(canonical_message(dict(reversed(CALL.items()))))
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"content": "Weather in Paris?", "role": "user"},  # key order
+        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+        {"role": "user", "content": "Weather in Paris?", "name": None, "tool_calls": None, "tool_call_id": None},
+        {"role": "user", "content": "Weather in Paris?", "tool_calls": []},
+    ],
+)
+def test_equal_user_message_variants(variant: dict[str, Any]) -> None:
+    assert messages_equal(USER, variant)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        # arguments re-serialised: other whitespace and key order
+        {**CALL, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{\n  "unit": "C",\n  "city": "Paris"\n}'}}]},
+        # arguments as an object, content "" and reasoning kept or dropped, other call id, extra nulls
+        {"role": "assistant", "content": "", "reasoning_content": "They want Paris.", "refusal": None,
+         "tool_calls": [{"id": "call_renamed", "type": "function",
+                         "function": {"arguments": {"unit": "C", "city": "Paris"}, "name": "get_weather"}}]},
+        {"role": "assistant", "tool_calls": [{"function": {"name": "get_weather",
+                                                           "arguments": '{"city":"Paris","unit":"C"}'}}]},
+    ],
+)
+def test_equal_assistant_message_variants(variant: dict[str, Any]) -> None:
+    assert messages_equal(CALL, variant)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (USER, {"role": "user", "content": "Weather in Paris? "}),  # whitespace is text
+        (USER, {"role": "system", "content": "Weather in Paris?"}),
+        (RESULT, {**RESULT, "tool_call_id": "call_2"}),
+        (CALL, {**CALL, "tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]}),
+        (CALL, {**CALL, "tool_calls": [{"function": {"name": "get_time", "arguments": '{"city": "Paris", "unit": "C"}'}}]}),
+        (CALL, {**CALL, "tool_calls": []}),
+        (CALL, {**CALL, "tool_calls": CALL["tool_calls"] * 2}),
+        (CALL, {**CALL, "content": "Checking."}),
+    ],
+)
+def test_unequal_messages(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert not messages_equal(a, b)
+
+
+def test_arguments_that_are_not_json_compare_as_strings() -> None:
+    def call(args: str) -> dict[str, Any]:
+        return {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": args}}]}
+
+    assert messages_equal(call("{oops"), call("{oops"))
+    assert not messages_equal(call("{oops"), call("{oops "))
+    assert not messages_equal(call('"{}"'), call("{}"))  # a JSON string is not an object
+
+
+def test_non_text_parts_are_compared_part_by_part() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:x", "detail": None}}
+    a = {"role": "user", "content": [{"type": "text", "text": "see"}, image]}
+    b = {"role": "user", "content": [{"text": "see", "type": "text"}, {"image_url": {"url": "data:x"}, "type": "image_url"}]}
+    assert messages_equal(a, b)
+    assert not messages_equal(a, {"role": "user", "content": "see"})
+
+
+def test_pydantic_messages_compare_like_dicts() -> None:
+    model = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]})
+    assert messages_equal(model, USER)
+    call = ChatMessage.model_validate(CALL)
+    assert messages_equal(call, CALL)
+
+
+def test_tools_compare_by_content() -> None:
+    reordered = [{"function": {"parameters": TOOLS[0]["function"]["parameters"], "name": "get_weather",
+                               "description": "Weather in a city", "strict": None}, "type": "function"}]
+    assert canonical_tools(TOOLS) == canonical_tools(reordered)
+    assert canonical_tools(None) == canonical_tools([]) == "[]"
+    assert canonical_tools(TOOLS) != canonical_tools([*TOOLS, *TOOLS])
+
+
+# --- choose_parent ---------------------------------------------------------------------------------
+
+
+def cand(turn_id: str, messages: list[dict[str, Any]], order: int, tools: Any = TOOLS) -> Candidate:
+    return Candidate(turn_id, messages, tools, order)
+
+
+T1 = [SYSTEM, USER, CALL]  # turn 1: request [SYSTEM, USER] + its reply CALL
+T2 = [SYSTEM, USER, CALL, RESULT, ANSWER]  # turn 2: request + RESULT, reply ANSWER
+
+
+def test_first_turn() -> None:
+    assert choose_parent([], [SYSTEM, USER], TOOLS) == ParentChoice(None, "first_turn")
+
+
+def test_longest_prefix_wins() -> None:
+    cands = [cand("t1", T1, 1), cand("t2", T2, 2)]
+    assert choose_parent(cands, [*T1, RESULT], TOOLS) == ParentChoice("t1", None)
+    assert choose_parent(cands, [*T2, USER2], TOOLS) == ParentChoice("t2", None)
+    # order of the candidate list does not matter
+    assert choose_parent(cands[::-1], [*T2, USER2], TOOLS) == ParentChoice("t2", None)
+
+
+def test_latest_wins_on_ties() -> None:
+    """Two identical turns (e.g. the agent retried turn 1): the later one is the parent."""
+    cands = [cand("t1", T1, 1), cand("t1-retry", T1, 2), cand("t1-old", T1, 0)]
+    assert choose_parent(cands, [*T1, RESULT], TOOLS) == ParentChoice("t1-retry", None)
+
+
+def test_replayed_variants_still_extend() -> None:
+    """What clients do to the history they send back does not break the chain (AReaL#1455)."""
+    replay = [
+        {"content": "You are terse.", "role": "system", "name": None},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": "call_1",
+             "function": {"name": "get_weather", "arguments": json.dumps({"unit": "C", "city": "Paris"}, indent=2)}}]},
+        RESULT,
+    ]
+    assert choose_parent([cand("t1", T1, 1)], replay, TOOLS) == ParentChoice("t1", None)
+
+
+def test_tools_must_match() -> None:
+    cands = [cand("t1", T1, 1)]
+    assert choose_parent(cands, [*T1, RESULT], None) == ParentChoice(None, "different_tools")
+    assert choose_parent([cand("t1", T1, 1, tools=None)], [*T1, RESULT], []) == ParentChoice("t1", None)
+
+
+def test_edited_message() -> None:
+    edited = [SYSTEM, {"role": "user", "content": "Weather in Lyon?"}, CALL, RESULT]
+    assert choose_parent([cand("t1", T1, 1)], edited, TOOLS) == ParentChoice(None, "edited_message")
+    # an edited reply: the client changed the model's tool call
+    changed = [SYSTEM, USER, {**CALL, "tool_calls": [{"function": {"name": "get_weather", "arguments": "{}"}}]}, RESULT]
+    assert choose_parent([cand("t1", T1, 1)], changed, TOOLS) == ParentChoice(None, "edited_message")
+
+
+def test_removed_message() -> None:
+    """The agent trimmed its history (here: dropped the tool call and its result)."""
+    trimmed = [SYSTEM, USER, ANSWER, USER2]
+    assert choose_parent([cand("t2", T2, 2)], trimmed, TOOLS) == ParentChoice(None, "removed_message")
+
+
+def test_retried_and_no_prefix() -> None:
+    cands = [cand("t1", T1, 1)]
+    assert choose_parent(cands, [SYSTEM, USER], TOOLS) == ParentChoice(None, "retried")
+    assert choose_parent(cands, T1, TOOLS) == ParentChoice(None, "retried")  # nothing new to answer
+    other = [{"role": "system", "content": "Summarise."}, USER]
+    assert choose_parent(cands, other, TOOLS) == ParentChoice(None, "no_prefix")
+
+
+def test_reason_comes_from_the_closest_candidate() -> None:
+    """t2 shares 4 messages before the edit, t1 only 2 (and has other tools): edited_message wins."""
+    cands = [cand("t1", T1, 1, tools=None), cand("t2", T2, 2)]
+    new = [SYSTEM, USER, CALL, RESULT, {"role": "assistant", "content": "Rainy."}, USER2]
+    assert choose_parent(cands, new, TOOLS) == ParentChoice(None, "edited_message")
+    # with t2 gone, t1 would be a prefix but for its tools
+    assert choose_parent(cands[:1], new, TOOLS) == ParentChoice(None, "different_tools")
+
+
+def test_long_session_is_linear_and_cached() -> None:
+    """100 turns, each extending the previous one: every turn finds its parent, and candidates
+    canonicalise their messages once (re-using them across calls)."""
+    msgs: list[dict[str, Any]] = [SYSTEM]
+    cands: list[Candidate] = []
+    started = time.perf_counter()
+    for i in range(100):
+        msgs = [*msgs, {"role": "user", "content": f"question {i}"}]
+        choice = choose_parent(cands, msgs, TOOLS)
+        assert choice == (ParentChoice(cands[-1].turn_id, None) if cands else ParentChoice(None, "first_turn"))
+        msgs = [*msgs, {"role": "assistant", "content": f"answer {i}"}]
+        cands.append(cand(f"t{i}", msgs, i))
+    assert time.perf_counter() - started < 2.0  # ~0.05 s on a shared 2-core machine
+    assert all(c._canon is not None for c in cands[:-1])
