@@ -163,6 +163,7 @@ class Scheduler:
             if abort_all:
                 self._abort(lambda s: True)
             self._pending_swap = (swap, future)
+            self._maybe_swap()  # at once when paused or idle; otherwise once the running rows are done
 
         self._calls.put((register, Future()))
         return future

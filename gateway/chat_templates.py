@@ -30,7 +30,7 @@ LLAMA31_TEMPLATE = (
     "{{- '<|start_header_id|>user<|end_header_id|>\\n\\n' }}"
     "{{- 'Given the following functions, please respond with a JSON for a function call with its proper "
     "arguments that best answers the given prompt.\\n\\n' }}"
-    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and "
+    '{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name and '
     "its value}. Do not use variables.\\n\\n' }}"
     "{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}"
     "{{- ((messages[0]['content'] or '') | trim) + '<|eot_id|>' }}"
@@ -42,7 +42,7 @@ LLAMA31_TEMPLATE = (
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
     "{%- if not loop.first %}{{- '; ' }}{%- endif %}"
-    "{{- '{\"name\": \"' + tool_call.name + '\", \"parameters\": ' }}"
+    '{{- \'{"name": "\' + tool_call.name + \'", "parameters": \' }}'
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
     "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
     "{{- '}' }}"

@@ -129,8 +129,8 @@ class BackendPool:
             home = self._usable(self._by_group.get(group_id), exclude)
             if home is not None and home.in_flight <= least.in_flight + self.affinity_slack:
                 chosen = home
-            else:  # first session of the group, or its home is gone or too busy: a new home
-                self._remember(self._by_group, group_id, chosen.id)
+            # First session of the group, or its home is gone or too busy: this one is the new home.
+            self._remember(self._by_group, group_id, chosen.id)
         self._stick(session_id, chosen)
         return chosen
 
@@ -182,16 +182,18 @@ class BackendPool:
         """`await fn(backend)` on the picked backend; on BackendUnavailable mark it failed and try the
         next healthy one, each at most once. Other errors propagate unchanged."""
         tried: set[str] = set()
+        last: BackendUnavailable | None = None
         while True:
             backend = self._pick(session_id, group_id, tried)
             if backend is None:
-                raise NoBackendAvailable(f"no healthy backend left (tried {len(tried)})")
+                raise NoBackendAvailable(f"no healthy backend left (tried {len(tried)})") from last
             tried.add(backend.id)
             backend.in_flight += 1
             try:
                 return await fn(backend)
             except BackendUnavailable as e:  # recovery: retry on another backend
                 self.mark_failed(backend, str(e))
+                last = e
             finally:
                 backend.in_flight -= 1
 
@@ -246,11 +248,13 @@ class BackendPool:
         """One round: probe every backend; fail the silent ones, admit the recovered ones."""
         backends = self.backends()
         results = await asyncio.gather(*(b.client.health() for b in backends))
+        back = []
         for backend, ok in zip(backends, results, strict=True):
             if not ok:
                 self.mark_failed(backend, "health check failed")
             elif not backend.healthy and backend.id in self._backends:
-                await self._recover(backend)
+                back.append(backend)
+        await asyncio.gather(*(self._recover(b) for b in back))
 
     async def _recover(self, backend: Backend) -> None:
         if self._on_recover is not None:

@@ -29,17 +29,6 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 import orjson
 
-__all__ = [
-    "BackendError",
-    "BackendRejected",
-    "BackendUnavailable",
-    "GenChunk",
-    "GenResult",
-    "PauseMode",
-    "SGLangClient",
-    "new_session",
-]
-
 PauseMode = Literal["abort", "retract", "in_place"]
 _JSON_HEADERS = {"Content-Type": "application/json"}
 # Transport failures that say nothing about the request: another backend may well succeed.
@@ -84,8 +73,7 @@ class GenResult:
 
 @dataclass(slots=True)
 class GenChunk(GenResult):
-    """One streamed step: only the tokens that are new since the previous chunk (possibly none).
-    `finish_reason` is set on the last chunk only."""
+    """One streamed step: the tokens new since the previous chunk (maybe none); the last has finish_reason."""
 
 
 _R = TypeVar("_R", bound=GenResult)
@@ -149,29 +137,20 @@ class SGLangClient:
 
         Closing the iterator early (`aclose()`, or leaving `contextlib.aclosing`) closes the
         connection, which makes SGLang abort the request."""
-        body = {**payload, "stream": True}
-        timeout = self._read_timeout(read_timeout)
-        try:
-            resp = await self._session.post(
-                self.url + "/generate", data=orjson.dumps(body), headers=_JSON_HEADERS, timeout=timeout
-            )
-        except _TRANSPORT_ERRORS as e:
-            raise BackendUnavailable(f"{self.url}/generate: {e!r}") from e
+        resp = await self._open_stream({**payload, "stream": True}, self._read_timeout(read_timeout))
         clean = False
         try:
-            if resp.status >= 400:
-                raise _status_error(resp.status, await _read_quietly(resp), self.url + "/generate")
             events = _SSEReader(resp, self.url)
-            delta = _Delta()
-            finished = False
+            seen, finished = 0, False
             while (data := await events.next()) is not None:
                 if data == b"[DONE]":
                     clean = await events.drain()
-                    return
+                    break
                 obj = _loads(data, "/generate stream")
                 if "error" in obj:
                     raise _event_error(obj)
-                chunk = delta.step(obj)
+                chunk = _chunk(obj, seen)
+                seen += len(chunk.output_ids)
                 finished = chunk.finish_reason is not None
                 yield chunk
             if not finished:
@@ -196,22 +175,12 @@ class SGLangClient:
         await self._call("POST", "/continue_generation", {})
 
     async def update_weights_from_disk(
-        self,
-        model_path: str,
-        weight_version: str,
-        *,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
+        self, model_path: str, weight_version: str, *, abort_all_requests: bool = False
     ) -> None:
-        """Load an HF folder readable by the server. Raises BackendRejected on `success: false`."""
-        body = {
-            "model_path": model_path,
-            "load_format": None,
-            "abort_all_requests": abort_all_requests,
-            "weight_version": weight_version,
-            "flush_cache": flush_cache,
-        }
-        # Loading may take minutes, and an unpaused server first waits for its in-flight requests.
+        """Load an HF folder readable by the server (and flush its cache). BackendRejected on `success:
+        false`. Loading takes a while, and an unpaused server first waits for its running requests."""
+        body: dict[str, Any] = {"model_path": model_path, "weight_version": weight_version}
+        body["abort_all_requests"] = abort_all_requests
         obj = _loads(await self._call("POST", "/update_weights_from_disk", body, self._gen_timeout), "update")
         if not (isinstance(obj, dict) and obj.get("success")):
             raise BackendRejected(200, _error_message(orjson.dumps(obj)))
@@ -234,7 +203,7 @@ class SGLangClient:
     async def flush_cache(self) -> bool:
         """Flush the prefix cache. False when the server refused because requests are running."""
         try:
-            await self._call("POST", "/flush_cache", None)
+            await self._call("GET", "/flush_cache", None)  # 0.4 servers take GET only
         except BackendRejected as e:
             if e.status == 400:
                 return False
@@ -254,6 +223,23 @@ class SGLangClient:
         if not isinstance(obj, dict):
             raise BackendError(f"{self.url}{path}: expected a JSON object")
         return obj
+
+    async def _open_stream(
+        self, body: dict[str, Any], timeout: aiohttp.ClientTimeout
+    ) -> aiohttp.ClientResponse:
+        """POST /generate and return the open 200 response; any other answer raises the mapped error."""
+        url = self.url + "/generate"
+        try:
+            resp = await self._session.post(
+                url, data=orjson.dumps(body), headers=_JSON_HEADERS, timeout=timeout
+            )
+            if resp.status < 400:
+                return resp
+            raw = await resp.read()
+        except _TRANSPORT_ERRORS as e:
+            raise BackendUnavailable(f"{url}: {e!r}") from e
+        resp.release()
+        raise _status_error(resp.status, raw, url)
 
     async def _call(
         self, method: str, path: str, body: Any, timeout: aiohttp.ClientTimeout | None = None
@@ -294,14 +280,13 @@ class _SSEReader:
         while True:
             end = self._buf.find(b"\n\n")
             if end < 0 and self._eof:
-                end = len(self._buf)
-                if end == 0:
+                if not self._buf:
                     return None
+                end = len(self._buf)  # a last event without its blank line
             if end >= 0:
                 event = bytes(self._buf[:end])
                 del self._buf[: end + 2]
-                data = _event_data(event)
-                if data is not None:
+                if (data := _event_data(event)) is not None:
                     return data
                 continue
             try:
@@ -327,25 +312,15 @@ def _event_data(event: bytes) -> bytes | None:
     return b"\n".join(lines) if lines else None
 
 
-class _Delta:
-    """Turns cumulative or incremental stream chunks into increments (see the module docstring)."""
-
-    __slots__ = ("seen",)
-
-    def __init__(self) -> None:
-        self.seen = 0
-
-    def step(self, obj: dict[str, Any]) -> GenChunk:
-        try:
-            total = int(obj["meta_info"]["completion_tokens"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise BackendError(f"stream chunk without meta_info.completion_tokens: {e!r}") from e
-        new = total - self.seen
-        if new < 0:
-            raise BackendError(f"completion_tokens went back from {self.seen} to {total}")
-        chunk = _parse(obj, GenChunk, total=total, new=new)
-        self.seen = total
-        return chunk
+def _chunk(obj: dict[str, Any], seen: int) -> GenChunk:
+    """The increment in a cumulative or incremental chunk, `seen` tokens in (see the module docstring)."""
+    try:
+        total = int(obj["meta_info"]["completion_tokens"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise BackendError(f"stream chunk without meta_info.completion_tokens: {e!r}") from e
+    if total < seen:
+        raise BackendError(f"completion_tokens went back from {seen} to {total}")
+    return _parse(obj, GenChunk, total=total, new=total - seen)
 
 
 def _tail(items: list[Any], total: int | None, new: int | None, what: str) -> list[Any]:
@@ -364,19 +339,13 @@ def _parse(obj: dict[str, Any], cls: type[_R], *, total: int | None = None, new:
         lp = meta.get("output_token_logprobs")
         logprobs = None if lp is None else [float(t[0]) for t in _tail(lp, total, new, "logprobs")]
         top = meta.get("output_top_logprobs")
-        top_logprobs = (
-            None
-            if top is None
-            else [
-                [(int(t[1]), float(t[0])) for t in row] if row else []
-                for row in _tail(top, total, new, "top")
-            ]
-        )
+        if top is not None:
+            top = [[(int(t[1]), float(t[0])) for t in row or ()] for row in _tail(top, total, new, "top")]
         version = meta.get("weight_version")
         return cls(
             output_ids=[int(t) for t in ids],
             logprobs=logprobs,
-            top_logprobs=top_logprobs,
+            top_logprobs=top,
             finish_reason=meta.get("finish_reason"),
             weight_version=None if version is None else str(version),
             prompt_tokens=int(meta.get("prompt_tokens") or 0),
@@ -425,14 +394,4 @@ def _event_error(obj: dict[str, Any]) -> BackendError:
     err = obj["error"]
     code = err.get("code") if isinstance(err, dict) else obj.get("code")
     status = code if isinstance(code, int) and code >= 400 else 400
-    message = _error_message(orjson.dumps(obj))
-    if status >= 500 or status in (408, 429):
-        return BackendUnavailable(f"stream error {status}: {message}", status)
-    return BackendRejected(status, message)
-
-
-async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
-    try:
-        return await resp.read()
-    except _TRANSPORT_ERRORS:  # recovery: the status alone decides the error
-        return b""
+    return _status_error(status, orjson.dumps(obj), "/generate stream")

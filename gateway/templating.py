@@ -125,8 +125,9 @@ class ChatTemplate:
         self.template_kwargs = dict(template_kwargs or {})
         """Extra variables for the template (e.g. Qwen3's enable_thinking)."""
         vocab = tokenizer.get_vocab()
-        self.end_of_turn = end_of_turn or _detect_end_of_turn(chat_template or tokenizer.chat_template, vocab,
-                                                              tokenizer.eos_token)
+        self.end_of_turn = end_of_turn or _detect_end_of_turn(
+            chat_template or tokenizer.chat_template, vocab, tokenizer.eos_token
+        )
         if self.end_of_turn not in vocab:
             raise ValueError(f"end-of-turn token {self.end_of_turn!r} is not in the vocabulary")
         self.end_of_turn_id: int = vocab[self.end_of_turn]
@@ -232,7 +233,9 @@ class ChatTemplate:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Ids to text with special tokens kept and no space clean-up (the exact text)."""
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        return str(
+            self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        )
 
 
 class IncrementalDetokenizer:

@@ -276,7 +276,9 @@ class StreamingReplyParser:
     then starts inside the reasoning and only closes it).
     """
 
-    def __init__(self, tool_parser: ToolParser | None, reasoning: bool = True, *, in_reasoning: bool = False) -> None:
+    def __init__(
+        self, tool_parser: ToolParser | None, reasoning: bool = True, *, in_reasoning: bool = False
+    ) -> None:
         self._scanner = (tool_parser or NO_TOOLS).new_scanner()
         self._phase: Literal["start", "reasoning", "content"] = (
             "reasoning" if reasoning and in_reasoning else "start" if reasoning else "content"

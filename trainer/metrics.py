@@ -48,8 +48,8 @@ class MetricsSink:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
         if self._bar is not None:
-            self._bar.update(1)
             self._bar.set_postfix({k: f"{metrics[k]:.4g}" for k in BAR_KEYS if k in metrics}, refresh=False)
+            self._bar.update(1)
 
     def note(self, message: str) -> None:
         """A line above the bar (waiting for groups, a renew that failed, ...)."""

@@ -33,8 +33,20 @@ def _ids(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, generation_
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def end_of_turn_ids(tokenizer: Any) -> set[int]:
+    """eos id(s) and the ChatML end-of-turn token when the vocabulary has one."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return ids
+
+
 def chat_row(tokenizer: Any, messages: list[dict[str, Any]], tools: Any = None) -> Row:
-    """Token ids of the whole chat with loss_mask = 1 on the assistant messages' tokens."""
+    """Token ids of the whole chat with loss_mask = 1 on what the model would generate for each assistant
+    message: its tokens up to and including the end-of-turn token. The template's bridge after it (a
+    newline before the next message) stays 0, as in the gateway's recorded samples (lessons.md)."""
+    eot = end_of_turn_ids(tokenizer)
     full = _ids(tokenizer, messages, tools, False)
     mask = [0] * len(full)
     for i, m in enumerate(messages):
@@ -44,7 +56,11 @@ def chat_row(tokenizer: Any, messages: list[dict[str, Any]], tools: Any = None) 
         upto = _ids(tokenizer, messages[: i + 1], tools, False)
         if full[: len(upto)] != upto or upto[: len(before)] != before:
             raise ValueError(f"chat template does not render message {i} as an extension of the ones before")
-        for t in range(len(before), len(upto)):
+        end = len(upto)
+        ends = [t for t in range(len(before), len(upto)) if upto[t] in eot]
+        if ends:
+            end = ends[-1] + 1
+        for t in range(len(before), end):
             mask[t] = 1
     n = len(full)
     return Row(full, mask, [0.0] * n, [0.0] * n, [1.0] * n)

@@ -247,7 +247,7 @@ class Store:
                     .order_by(S.c.replica)
                 )
             ).mappings().all()
-        out = dict(g)
+        out = {str(k): v for k, v in g.items()}  # "metadata" comes back as a quoted_name
         out["sessions"] = [dict(s) for s in sessions]
         return out
 
@@ -258,7 +258,7 @@ class Store:
             ).mappings().first()
         if s is None:
             raise NotFound(f"no session {session_id}")
-        out = {k: v for k, v in dict(s).items() if k != "key_hash"}
+        out = {str(k): v for k, v in s.items() if k != "key_hash"}
         return out, await self.session_turns(session_id)
 
     async def list_sessions(

@@ -20,16 +20,27 @@ from gateway.continuity import (
 from gateway.protocol import ChatMessage
 
 TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
 ]
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER = {"role": "user", "content": "Weather in Paris?"}
 CALL = {
     "role": "assistant",
     "content": None,
-    "tool_calls": [{"id": "call_1", "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}],
+    "tool_calls": [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'},
+        }
+    ],
 }
 RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"}
 ANSWER = {"role": "assistant", "content": "Sunny, 21 °C."}
@@ -38,7 +49,10 @@ USER2 = {"role": "user", "content": "And Rome?"}
 
 def test_canonical_form_keeps_what_the_model_saw() -> None:
     assert canonical_message(CALL) == CanonicalMessage(
-        role="assistant", content="", tool_calls=(("get_weather", '{"city":"Paris","unit":"C"}'),), tool_call_id=None
+        role="assistant",
+        content="",
+        tool_calls=(("get_weather", '{"city":"Paris","unit":"C"}'),),
+        tool_call_id=None,
     )
     assert canonical_message(RESULT) == CanonicalMessage("tool", "sunny, 21", (), "call_1")
     assert hash(canonical_message(CALL)) == hash(canonical_message(dict(reversed(CALL.items()))))
@@ -48,8 +62,17 @@ def test_canonical_form_keeps_what_the_model_saw() -> None:
     "variant",
     [
         {"content": "Weather in Paris?", "role": "user"},  # key order
-        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
-        {"role": "user", "content": "Weather in Paris?", "name": None, "tool_calls": None, "tool_call_id": None},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}],
+        },
+        {
+            "role": "user",
+            "content": "Weather in Paris?",
+            "name": None,
+            "tool_calls": None,
+            "tool_call_id": None,
+        },
         {"role": "user", "content": "Weather in Paris?", "tool_calls": []},
     ],
 )
@@ -61,14 +84,37 @@ def test_equal_user_message_variants(variant: dict[str, Any]) -> None:
     "variant",
     [
         # arguments re-serialised: other whitespace and key order
-        {**CALL, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{\n  "unit": "C",\n  "city": "Paris"\n}'}}]},
+        {
+            **CALL,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{\n  "unit": "C",\n  "city": "Paris"\n}',
+                    },
+                }
+            ],
+        },
         # arguments as an object, content "" and reasoning kept or dropped, other call id, extra nulls
-        {"role": "assistant", "content": "", "reasoning_content": "They want Paris.", "refusal": None,
-         "tool_calls": [{"id": "call_renamed", "type": "function",
-                         "function": {"arguments": {"unit": "C", "city": "Paris"}, "name": "get_weather"}}]},
-        {"role": "assistant", "tool_calls": [{"function": {"name": "get_weather",
-                                                           "arguments": '{"city":"Paris","unit":"C"}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "They want Paris.",
+            "refusal": None,
+            "tool_calls": [
+                {
+                    "id": "call_renamed",
+                    "type": "function",
+                    "function": {"arguments": {"unit": "C", "city": "Paris"}, "name": "get_weather"},
+                }
+            ],
+        },
+        {
+            "role": "assistant",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"C"}'}}],
+        },
     ],
 )
 def test_equal_assistant_message_variants(variant: dict[str, Any]) -> None:
@@ -81,8 +127,19 @@ def test_equal_assistant_message_variants(variant: dict[str, Any]) -> None:
         (USER, {"role": "user", "content": "Weather in Paris? "}),  # whitespace is text
         (USER, {"role": "system", "content": "Weather in Paris?"}),
         (RESULT, {**RESULT, "tool_call_id": "call_2"}),
-        (CALL, {**CALL, "tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]}),
-        (CALL, {**CALL, "tool_calls": [{"function": {"name": "get_time", "arguments": '{"city": "Paris", "unit": "C"}'}}]}),
+        (
+            CALL,
+            {**CALL, "tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        ),
+        (
+            CALL,
+            {
+                **CALL,
+                "tool_calls": [
+                    {"function": {"name": "get_time", "arguments": '{"city": "Paris", "unit": "C"}'}}
+                ],
+            },
+        ),
         (CALL, {**CALL, "tool_calls": []}),
         (CALL, {**CALL, "tool_calls": CALL["tool_calls"] * 2}),
         (CALL, {**CALL, "content": "Checking."}),
@@ -104,21 +161,35 @@ def test_arguments_that_are_not_json_compare_as_strings() -> None:
 def test_non_text_parts_are_compared_part_by_part() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:x", "detail": None}}
     a = {"role": "user", "content": [{"type": "text", "text": "see"}, image]}
-    b = {"role": "user", "content": [{"text": "see", "type": "text"}, {"image_url": {"url": "data:x"}, "type": "image_url"}]}
+    b = {
+        "role": "user",
+        "content": [{"text": "see", "type": "text"}, {"image_url": {"url": "data:x"}, "type": "image_url"}],
+    }
     assert messages_equal(a, b)
     assert not messages_equal(a, {"role": "user", "content": "see"})
 
 
 def test_pydantic_messages_compare_like_dicts() -> None:
-    model = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]})
+    model = ChatMessage.model_validate(
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}
+    )
     assert messages_equal(model, USER)
     call = ChatMessage.model_validate(CALL)
     assert messages_equal(call, CALL)
 
 
 def test_tools_compare_by_content() -> None:
-    reordered = [{"function": {"parameters": TOOLS[0]["function"]["parameters"], "name": "get_weather",
-                               "description": "Weather in a city", "strict": None}, "type": "function"}]
+    reordered = [
+        {
+            "function": {
+                "parameters": TOOLS[0]["function"]["parameters"],
+                "name": "get_weather",
+                "description": "Weather in a city",
+                "strict": None,
+            },
+            "type": "function",
+        }
+    ]
     assert canonical_tools(TOOLS) == canonical_tools(reordered)
     assert canonical_tools(None) == canonical_tools([]) == "[]"
     assert canonical_tools(TOOLS) != canonical_tools([*TOOLS, *TOOLS])
@@ -158,9 +229,20 @@ def test_replayed_variants_still_extend() -> None:
     replay = [
         {"content": "You are terse.", "role": "system", "name": None},
         {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "id": "call_1",
-             "function": {"name": "get_weather", "arguments": json.dumps({"unit": "C", "city": "Paris"}, indent=2)}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "id": "call_1",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": json.dumps({"unit": "C", "city": "Paris"}, indent=2),
+                    },
+                }
+            ],
+        },
         RESULT,
     ]
     assert choose_parent([cand("t1", T1, 1)], replay, TOOLS) == ParentChoice("t1", None)
@@ -176,7 +258,12 @@ def test_edited_message() -> None:
     edited = [SYSTEM, {"role": "user", "content": "Weather in Lyon?"}, CALL, RESULT]
     assert choose_parent([cand("t1", T1, 1)], edited, TOOLS) == ParentChoice(None, "edited_message")
     # an edited reply: the client changed the model's tool call
-    changed = [SYSTEM, USER, {**CALL, "tool_calls": [{"function": {"name": "get_weather", "arguments": "{}"}}]}, RESULT]
+    changed = [
+        SYSTEM,
+        USER,
+        {**CALL, "tool_calls": [{"function": {"name": "get_weather", "arguments": "{}"}}]},
+        RESULT,
+    ]
     assert choose_parent([cand("t1", T1, 1)], changed, TOOLS) == ParentChoice(None, "edited_message")
 
 
@@ -212,7 +299,9 @@ def test_long_session_is_linear_and_cached() -> None:
     for i in range(100):
         msgs = [*msgs, {"role": "user", "content": f"question {i}"}]
         choice = choose_parent(cands, msgs, TOOLS)
-        assert choice == (ParentChoice(cands[-1].turn_id, None) if cands else ParentChoice(None, "first_turn"))
+        assert choice == (
+            ParentChoice(cands[-1].turn_id, None) if cands else ParentChoice(None, "first_turn")
+        )
         msgs = [*msgs, {"role": "assistant", "content": f"answer {i}"}]
         cands.append(cand(f"t{i}", msgs, i))
     assert time.perf_counter() - started < 2.0  # ~0.05 s on a shared 2-core machine

@@ -101,8 +101,10 @@ def test_hermes_arguments_given_as_a_json_string() -> None:
         ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [("get_weather", '{"city": "Paris"}')]),
         ('<|python_tag|>{"name": "f", "parameters": {"x": 1}}', [("f", '{"x": 1}')]),
         (' \n<|python_tag|> {"name": "f", "arguments": {"x": 1}} ', [("f", '{"x": 1}')]),
-        ('{"name": "f", "parameters": {"s": "a;b"}}; {"name": "g", "parameters": {}}',
-         [("f", '{"s": "a;b"}'), ("g", "{}")]),
+        (
+            '{"name": "f", "parameters": {"s": "a;b"}}; {"name": "g", "parameters": {}}',
+            [("f", '{"s": "a;b"}'), ("g", "{}")],
+        ),
         ('{"name": "f", "parameters": {}};', [("f", "{}")]),
         ('{"name": "f"}', [("f", "{}")]),
     ],
@@ -222,7 +224,7 @@ def _replies() -> list[str]:
         ' {"name": "f", "parameters": {"x": 1}}',
         '{"not": "a call"}',
         "<|python_ta",
-        "Text first {\"name\": \"f\"}",
+        'Text first {"name": "f"}',
     ]
     return [t + b for t in think for b in bodies + llama]
 

@@ -49,8 +49,12 @@ def stop_texts(ct: ChatTemplate) -> list[str]:
     return [ct.decode([i]) for i in ct.stop_token_ids]
 
 
-def model_reply_ids(ct: ChatTemplate, messages: Sequence[dict[str, Any]], reply: dict[str, Any],
-                    tools: Sequence[dict[str, Any]] | None) -> list[int]:
+def model_reply_ids(
+    ct: ChatTemplate,
+    messages: Sequence[dict[str, Any]],
+    reply: dict[str, Any],
+    tools: Sequence[dict[str, Any]] | None,
+) -> list[int]:
     """What a model that follows its template emits for `reply` after the prompt of `messages`: the
     reply's rendered text up to and including its end-of-turn token, tokenized on its own (as
     generated, not as part of one long string)."""

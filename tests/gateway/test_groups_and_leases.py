@@ -1,0 +1,163 @@
+"""Group lifecycle, rewards, leases (samples on the wire), expiry, ack, publish, and staleness admission."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from gateway.wire import decode_array
+from tests.gateway.conftest import ids_of
+from tests.harness import LiveGateway
+
+
+def play(gw: LiveGateway, cred: dict[str, Any], reward: float | None = None, turns: int = 1) -> list[str]:
+    client = gw.openai(cred)
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "37+48="}]
+    ids = []
+    for i in range(turns):
+        r = client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+        ids.append(r.id)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": f"again {i}"}]
+    if reward is not None:
+        assert gw.admin.post(f"/v1/sessions/{cred['session_id']}/reward", json={"reward": reward}).status_code == 200
+        assert gw.admin.post(f"/v1/sessions/{cred['session_id']}/finish").status_code == 200
+    return ids
+
+
+def state(gw: LiveGateway, gid: str) -> str:
+    return gw.admin.get(f"/v1/groups/{gid}").json()["state"]  # type: ignore[no-any-return]
+
+
+def lease(gw: LiveGateway, **body: Any) -> dict[str, Any]:
+    r = gw.admin.post("/v1/batches", json={"max_groups": 64, "lease_seconds": 30, **body})
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def drain(gw: LiveGateway) -> None:
+    """Ack whatever is complete so each test starts from an empty queue."""
+    b = lease(gw)
+    if b["batch_id"]:
+        gw.admin.post(f"/v1/batches/{b['batch_id']}/ack", json={"results": {}})
+
+
+def test_group_completes_when_all_finished_and_rewarded(gateway: LiveGateway) -> None:
+    g = gateway.group(3)
+    a, b, c = g["sessions"]
+    play(gateway, a, 1.0)
+    play(gateway, b, 0.0)
+    assert state(gateway, g["group_id"]) == "open"
+    r = gateway.admin.post(f"/v1/sessions/{c['session_id']}/abandon", json={"reason": "crashed"})
+    assert r.json()["state"] == "abandoned"
+    assert state(gateway, g["group_id"]) == "complete"
+
+
+def test_reward_is_idempotent_and_final_after_lease(gateway: LiveGateway) -> None:
+    drain(gateway)
+    g = gateway.group(2)
+    a, b = g["sessions"]
+    play(gateway, a, 1.0)
+    play(gateway, b, 0.5)
+    hdr = {"Authorization": f"Bearer {a['api_key']}"}  # a session may reward itself
+    assert gateway.admin.post(f"/v1/sessions/{a['session_id']}/reward", json={"reward": 1.0}, headers=hdr).status_code == 200
+    assert gateway.admin.post(f"/v1/sessions/{a['session_id']}/reward", json={"reward": 0.25}).status_code == 200
+    batch = lease(gateway)
+    assert [x["group_id"] for x in batch["groups"]] == [g["group_id"]]
+    assert gateway.admin.post(f"/v1/sessions/{a['session_id']}/reward", json={"reward": 0.25}).status_code == 200
+    r = gateway.admin.post(f"/v1/sessions/{a['session_id']}/reward", json={"reward": 0.9})
+    assert r.status_code == 409 and r.json()["error"]["type"] == "conflict_error"
+    gateway.admin.post(f"/v1/batches/{batch['batch_id']}/ack", json={"results": {}})
+
+
+def test_too_few_live_sessions_drops_the_group(gateway: LiveGateway) -> None:
+    g = gateway.group(2)
+    a, b = g["sessions"]
+    play(gateway, a, 1.0)
+    gateway.admin.post(f"/v1/sessions/{b['session_id']}/abandon", json={})
+    got = gateway.admin.get(f"/v1/groups/{g['group_id']}").json()
+    assert got["state"] == "dropped" and got["drop_reason"] == "too_few_sessions"
+
+
+def test_lease_samples_match_the_record(gateway: LiveGateway, fake: Any, tokenizer: Any) -> None:
+    drain(gateway)
+    g = gateway.group(2, task={"prompt": "37+48="})
+    a, b = g["sessions"]
+    play(gateway, a, 1.0, turns=2)
+    play(gateway, b, 0.0)
+    batch = lease(gateway)
+    (group,) = batch["groups"]
+    assert group["task"] == {"prompt": "37+48="}
+    by_session = {s["session_id"]: s for s in group["samples"]}
+    assert set(by_session) == {a["session_id"], b["session_id"]}  # 2 turns that extend -> one sequence
+    s = by_session[a["session_id"]]
+    tokens = decode_array(s["token_ids"])
+    mask, lps = decode_array(s["loss_mask"]), decode_array(s["logprobs"])
+    versions, returns = decode_array(s["versions"]), decode_array(s["returns"])
+    assert len({len(tokens), len(mask), len(lps), len(versions), len(returns)}) == 1
+    rec = gateway.session(a["session_id"])["turns"]
+    last = rec[-1]
+    assert tokens == last["prompt_ids"] + last["completion_ids"]
+    model_spans = [t for t, m in zip(tokens, mask, strict=True) if m]
+    assert model_spans == rec[0]["completion_ids"] + rec[1]["completion_ids"]
+    assert [lp for lp, m in zip(lps, mask, strict=True) if m] == pytest.approx(rec[0]["logprobs"] + rec[1]["logprobs"])
+    assert all(v == -1 for v, m in zip(versions, mask, strict=True) if not m)
+    assert all(r == 1.0 for r, m in zip(returns, mask, strict=True) if m)
+    assert s["reward"] == 1.0 and s["temperature"] == 1.0
+    # The batch is leased: not handed out again; ack closes it for good.
+    assert lease(gateway)["groups"] == []
+    assert gateway.admin.post(f"/v1/batches/{batch['batch_id']}/ack",
+                              json={"results": {group["group_id"]: "filtered"}}).status_code == 200
+    got = gateway.admin.get(f"/v1/groups/{group['group_id']}").json()
+    assert got["state"] == "dropped" and got["drop_reason"] == "filtered"
+
+
+def test_expired_lease_returns_groups(gateway: LiveGateway) -> None:
+    drain(gateway)
+    g = gateway.group(2)
+    for cred in g["sessions"]:
+        play(gateway, cred, 1.0)
+    first = lease(gateway, lease_seconds=0.3)
+    assert len(first["groups"]) == 1
+    time.sleep(0.5)
+    again = lease(gateway)
+    assert [x["group_id"] for x in again["groups"]] == [g["group_id"]]
+    r = gateway.admin.post(f"/v1/batches/{first['batch_id']}/ack", json={})
+    assert r.status_code == 409  # the expired lease can't ack: no group trained twice
+    assert gateway.admin.post(f"/v1/batches/{again['batch_id']}/renew", json={"lease_seconds": 60}).status_code == 200
+    gateway.admin.post(f"/v1/batches/{again['batch_id']}/ack", json={})
+
+
+def test_long_poll_waits_for_a_complete_group(gateway: LiveGateway) -> None:
+    drain(gateway)
+    t0 = time.monotonic()
+    assert lease(gateway, wait_seconds=0.6)["groups"] == []
+    assert time.monotonic() - t0 >= 0.5
+
+
+def test_publish_loads_backends_bumps_version_and_acks(gateway: LiveGateway, fake: Any, tmp_path: Any) -> None:
+    drain(gateway)
+    g = gateway.group(2)
+    for cred in g["sessions"]:
+        play(gateway, cred, 1.0)
+    batch = lease(gateway)
+    v0 = gateway.admin.get("/v1/weights").json()["version"]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    r = gateway.admin.post("/v1/weights", json={"version": v0 + 1, "model_path": str(ckpt),
+                                                "batch_id": batch["batch_id"], "results": {}})
+    assert r.status_code == 200, r.text
+    assert gateway.admin.get("/v1/weights").json() == {"version": v0 + 1, "model_path": str(ckpt)}
+    assert fake.weight_version == str(v0 + 1)
+    paths = [p for p, _ in fake.calls]
+    i = paths.index("/pause_generation")
+    assert paths[i:i + 3] == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+    got = gateway.admin.get(f"/v1/groups/{g['group_id']}").json()
+    assert got["state"] == "trained" and got["trained_version"] == v0 + 1
+    # versions only move forward; a consumed batch can't be acked again
+    assert gateway.admin.post("/v1/weights", json={"version": v0 + 1, "model_path": str(ckpt)}).status_code == 409
+    # new tokens carry the new version
+    cred = gateway.group(2)["sessions"][0]
+    play(gateway, cred)
+    assert set(gateway.session(cred["session_id"])["turns"][0]["versions"]) == {v0 + 1}

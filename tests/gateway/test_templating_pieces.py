@@ -1,0 +1,199 @@
+"""Pieces of `gateway.templating`: templates that are not prefix stable, stop ids, message forms,
+replies and incremental decoding."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.templating import ChatTemplate, IncrementalDetokenizer, hf_message
+from gateway.tool_parsers import ParsedReply, ParsedToolCall
+from tests.gateway.text_tokenizers import chatml, chatml_tokenizer, llama31
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+    }
+]
+
+# --- templates that are not prefix stable ----------------------------------------------------------
+
+# Qwen3's habit, reduced: reasoning is rendered only for assistant messages after the last user message.
+STRIPS_OLD_REASONING = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{{- '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.role == 'assistant' and m.reasoning_content and loop.index0 > ns.last_user %}"
+    "{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- m.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# A final assistant message left open (as for "continue this message"), closed once more follows.
+OPEN_FINAL_REPLY = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content }}"
+    "{%- if not (loop.last and m.role == 'assistant') %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# History that changes with every call: a message count in the system line.
+COUNTS_MESSAGES = (
+    "{{- '<|im_start|>system\\n' + (messages | length | string) + ' messages<|im_end|>\\n' }}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+THOUGHTFUL = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello.", "reasoning_content": "Greet back."},
+]
+
+
+def test_template_that_strips_old_reasoning() -> None:
+    ct = ChatTemplate(chatml_tokenizer(), chat_template=STRIPS_OLD_REASONING)
+    done = [*ct.encode("<think>\nGreet back.\n</think>\n\nHello."), ct.end_of_turn_id]
+    # a tool result keeps the reasoning in history: prefix stable, extends
+    ext = ct.extension_ids(THOUGHTFUL, done, [{"role": "tool", "content": "x"}], None)
+    assert ext is not None and ct.decode(ext) == "\n<|im_start|>tool\nx<|im_end|>\n<|im_start|>assistant\n"
+    # a new user message strips it: not prefix stable, so a new chain
+    assert ct.extension_ids(THOUGHTFUL, done, [{"role": "user", "content": "Again"}], None) is None
+
+
+def test_template_that_leaves_the_final_reply_open() -> None:
+    ct = ChatTemplate(chatml_tokenizer(), chat_template=OPEN_FINAL_REPLY)
+    done = [*ct.encode("Hello."), ct.end_of_turn_id]
+    # "...Hi<|im_end|>\n<|im_start|>assistant\nHello." is a prefix of the longer render, but the reply has
+    # no end-of-turn of its own there; taking Hi's would put the reply's text into the bridge.
+    assert ct.extension_ids(THOUGHTFUL, done, [{"role": "user", "content": "Again"}], None) is None
+
+
+def test_template_that_rewrites_history() -> None:
+    ct = ChatTemplate(chatml_tokenizer(), chat_template=COUNTS_MESSAGES)
+    done = [*ct.encode("Hello."), ct.end_of_turn_id]
+    assert ct.extension_ids(THOUGHTFUL, done, [{"role": "user", "content": "Again"}], None) is None
+
+
+# --- pieces ----------------------------------------------------------------------------------------
+
+
+def test_end_of_turn_and_stop_ids() -> None:
+    ct, tok = chatml(), chatml().tokenizer
+    assert (ct.end_of_turn, ct.stop_token_ids) == ("<|im_end|>", [tok.convert_tokens_to_ids("<|im_end|>")])
+    # the Llama tokenizer also carries <|im_end|>; the template's own token wins
+    ll, ltok = llama31(), llama31().tokenizer
+    assert ll.end_of_turn == "<|eot_id|>"
+    assert ll.stop_token_ids == ltok.convert_tokens_to_ids(["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"])
+
+
+def test_stop_ids_from_generation_config(tmp_path: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    chatml_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    tok = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    assert tok.convert_ids_to_tokens([2, 0]) == ["<|im_end|>", "<|endoftext|>"]
+    assert ChatTemplate(tok).stop_token_ids == [2, 0]  # eos ids first, end-of-turn deduplicated
+    assert ChatTemplate(tok, generation_eos_ids=[0]).stop_token_ids == [0, 2]
+
+
+def test_hf_message_normalises_openai_form() -> None:
+    msg = {
+        "role": "assistant",
+        "content": None,
+        "name": None,
+        "reasoning_content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+            {"id": "c2", "function": {"name": "g", "arguments": "not json"}},
+        ],
+    }
+    assert hf_message(msg) == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+        ],
+    }
+    parts = {
+        "role": "user",
+        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+        "tool_calls": [],
+    }
+    assert hf_message(parts) == {"role": "user", "content": "ab"}
+    with pytest.raises(ValueError, match="image_url"):
+        hf_message({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})
+
+
+def test_openai_and_hf_forms_render_the_same() -> None:
+    ct = chatml()
+    hf_form = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+            ],
+        },
+    ]
+    openai_form = [
+        {"role": "user", "content": [{"type": "text", "text": "What is the weather in Paris?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":   "Paris"}'},
+                }
+            ],
+        },
+    ]
+    assert ct.render_ids(hf_form, TOOLS) == ct.render_ids(openai_form, TOOLS)
+    assert (
+        '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        in ct.render_text(openai_form, TOOLS)
+    )
+
+
+def test_assistant_message_shape() -> None:
+    parsed = ParsedReply(None, "think", [ParsedToolCall("call_1", "f", '{"a": 1}')])
+    assert chatml().assistant_message(parsed) == {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "think",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+        ],
+    }
+    assert chatml().assistant_message(ParsedReply("hi", None, [])) == {"role": "assistant", "content": "hi"}
+
+
+def test_completion_text_keeps_markers_and_drops_the_stop_token() -> None:
+    ct = chatml()
+    ids = [*ct.encode('<think>x</think><tool_call>\n{"name": "f"}\n</tool_call>'), ct.end_of_turn_id]
+    assert ct.completion_text(ids) == '<think>x</think><tool_call>\n{"name": "f"}\n</tool_call>'
+    assert [c.name for c in ct.parse(ids).tool_calls] == ["f"]
+
+
+def test_incremental_detokenizer_matches_one_decode() -> None:
+    ct = chatml()
+    text = "Grüße, 世界! 🙂 <tool_call> ok\n\n  é"
+    ids = [*ct.encode(text), ct.end_of_turn_id]
+    rng = random.Random(7)
+    for _ in range(30):
+        d = IncrementalDetokenizer(ct)
+        out, i = [], 0
+        while i < len(ids):
+            n = rng.randint(1, 4)
+            out.append(d.feed(ids[i : i + n]))
+            i += n
+        out.append(d.flush())
+        assert all("\ufffd" not in piece for piece in out)
+        assert "".join(out) == text

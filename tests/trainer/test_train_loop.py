@@ -1,0 +1,142 @@
+"""The RL loop end to end at world size 1 against a fake gateway (http.server in a thread): leasing with
+refill after the dynamic filter, acks only after a durable checkpoint, publishing a loadable HF folder,
+metrics and the reward plot, and a restart that resumes from the checkpoint and numbers versions from
+max(checkpoint, gateway)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainer.trainer_fakes import FakeGateway, make_group
+from trainer.config import load_config
+from trainer.fsdp import free_port, init_distributed
+from trainer.train import run_rl
+
+
+def train(gw: FakeGateway, model: Path, out: Path, **overrides: object) -> None:
+    cfg = load_config(
+        None,
+        {
+            "gateway": gw.url,
+            "model": str(model),
+            "out": str(out),
+            "wait_seconds": 0,
+            "lr": 1e-3,
+            "micro_batch_tokens": 64,
+            **overrides,
+        },
+    )
+    run_rl(cfg, init_distributed(timeout_s=60, force_cpu=True))
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+def test_rl_loop_publishes_and_acks_after_checkpoint(
+    dist_env: None, tiny_model: Path, tmp_path: Path
+) -> None:
+    rng = random.Random(1)
+    groups = [
+        make_group("g0", [1.0, 0.0], rng),
+        make_group("g1", [1.0, 1.0], rng),
+        make_group("g2", [0.0, 1.0, 0.5], rng, samples_per_session=2),
+        make_group("g3", [0.3, 0.7], rng),
+        make_group("g4", [1.0, 0.0], rng, temperature=0.7),
+    ]
+    gw = FakeGateway(groups)
+    out = tmp_path / "run"
+    try:
+        train(gw, tiny_model, out, steps=2, groups_per_step=2)
+    finally:
+        gw.close()
+    # Step 1: lease b0 = [g0, g1]; g1's rewards are all equal -> acked "filtered" at once; refill b1 = [g2].
+    # Step 2: b2 = [g3, g4]. Each step durable (checkpoint_every = 1): b0 acked "trained" for g0, then
+    # publish v1 carries b1; publish v2 carries b2.
+    acks = gw.calls_to("/v1/batches/b")
+    assert [a["results"] for a in acks if "results" in a] == [{"g1": "filtered"}, {"g0": "trained"}]
+    pubs = gw.calls_to("/v1/weights")
+    assert [(p["version"], p["batch_id"], p["results"]) for p in pubs] == [
+        (1, "b1", {"g2": "trained"}),
+        (2, "b2", {"g3": "trained", "g4": "trained"}),
+    ]
+    assert [b["trainer_version"] for b in gw.calls_to("/v1/batches") if "trainer_version" in b] == [0, 0, 1]
+    # the published folder loads, holds moved weights, and carries the tokenizer
+    published = Path(pubs[-1]["model_path"])
+    assert published == out / "weights" / "v000002" and (out / "checkpoints" / "step_00000002").is_dir()
+    start, end = weights(tiny_model), weights(published)
+    assert max((start[k] - end[k]).abs().max().item() for k in start) > 1e-4
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(published).chat_template
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["groups_accepted"] == 2 and records[0]["groups_filtered"] == 1
+    # rewards of every scored group, the filtered one too: [1, 0] + [1, 1] + [0, 1, 0.5] -> mean 4.5 / 7
+    assert records[0]["reward_mean"] == pytest.approx(4.5 / 7)
+    for key in (
+        "loss",
+        "clipped",
+        "kl",
+        "entropy",
+        "staleness_mean",
+        "step_time_s",
+        "publish_time_s",
+        "tokens",
+    ):
+        assert key in records[0], key
+    assert (out / "rewards.png").stat().st_size > 0 and any((out / "tb").iterdir())
+
+    # Restart: the gateway is at version 5 serving our v2 folder; resume at step 2, publish version 6.
+    gw2 = FakeGateway([make_group("g5", [0.0, 1.0], rng)], version=5, model_path=str(published))
+    try:
+        train(gw2, tiny_model, out, steps=3, groups_per_step=1)
+    finally:
+        gw2.close()
+    (pub,) = gw2.calls_to("/v1/weights")
+    assert pub["version"] == 6 and pub["model_path"].endswith("v000006")
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
+
+
+def test_checkpoint_every_k_holds_leases_until_durable(
+    dist_env: None, tiny_model: Path, tmp_path: Path
+) -> None:
+    rng = random.Random(2)
+    gw = FakeGateway([make_group(f"g{i}", [1.0, 0.0], rng) for i in range(2)])
+    try:
+        train(
+            gw,
+            tiny_model,
+            tmp_path / "run",
+            steps=2,
+            groups_per_step=1,
+            checkpoint_every=2,
+            lease_seconds=0.3,
+        )
+    finally:
+        gw.close()
+    # Step 1 is not durable: v1 is published with no batch, and b0 stays leased (renewed) until step 2.
+    pubs = gw.calls_to("/v1/weights")
+    assert [(p["version"], p["batch_id"], p["results"]) for p in pubs] == [
+        (1, None, {}),
+        (2, "b1", {"g1": "trained"}),
+    ]
+    assert gw.calls_to("/v1/batches/b0/ack") == [{"results": {"g0": "trained"}}]
+    assert gw.calls_to("/v1/batches/b0/renew")  # renewed in the background while held
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000001").exists()
+
+
+def test_unreachable_gateway_fails_with_the_url(dist_env: None, tiny_model: Path, tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = load_config(
+        None, {"gateway": url, "model": str(tiny_model), "out": str(tmp_path), "http_timeout": 2}
+    )
+    with pytest.raises(RuntimeError, match=f"GatewayUnreachable: gateway {url} unreachable"):
+        run_rl(cfg, init_distributed(timeout_s=60, force_cpu=True))
