@@ -176,7 +176,8 @@ class Scheduler:
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stopping:
-            self._run_calls(block=self._paused or not (self._rows or self._waiting))
+            idle = not (self._rows or self._waiting or self._pending_swap)
+            self._run_calls(block=self._paused or idle)
             if self._stopping or self._paused:
                 continue
             try:

@@ -315,3 +315,33 @@ def serve(
         incremental_streaming_output=incremental_streaming_output,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m engine.server --model DIR [--port N]`: the engine alone (what `rollway engine` runs)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="rollway engine: SGLang's HTTP API on CPU")
+    parser.add_argument("--model", required=True, type=Path)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--context-length", type=int)
+    parser.add_argument("--incremental-streaming-output", action="store_true")
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        max_batch_size=args.max_batch_size,
+        log_level=args.log_level,
+        incremental_streaming_output=args.incremental_streaming_output,
+        context_length=args.context_length,
+    )
+
+
+if __name__ == "__main__":
+    main()

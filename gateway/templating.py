@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.continuity import drop_none
+from gateway.errors import BadRequest
 from gateway.tool_parsers import ParsedReply, ToolParser, get_tool_parser, parse_reply
 
 # Tokens that end an assistant turn, by template family, in order of preference.
@@ -34,7 +35,10 @@ def _text(content: Any) -> str:
     texts = []
     for part in content:
         if part.get("type") != "text":
-            raise ValueError(f"content parts of type {part.get('type')!r} are not supported; send text")
+            raise BadRequest(
+                f"content parts of type {part.get('type')!r} are not supported by this text model; send text",
+                param="messages",
+            )
         texts.append(part.get("text") or "")
     return "".join(texts)
 

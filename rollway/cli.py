@@ -51,9 +51,20 @@ def _rollout(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if any(a in ("-h", "--help") for a in args.args):
+        from trainer.config import config_help
+
+        print(TRAIN_USAGE + "\n" + config_help())
+        return 0
     from trainer.launch import main as train_main
 
-    return train_main(args)
+    return train_main(args.args)
+
+
+TRAIN_USAGE = """usage: rollway train --gateway URL --model DIR --out DIR [--nproc N] [--config FILE] [--OPTION VALUE ...]
+
+Lease complete groups from the gateway, train with FSDP2 under torchrun, publish weights.
+Admin key from ROLLWAY_ADMIN_KEY. Every option below can be given as --name value and overrides the file."""
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -117,20 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     rollout_args(r)
     r.set_defaults(fn=_rollout)
 
-    t = sub.add_parser("train", help="the RL/SFT trainer (launches torchrun)",
-                       description="Lease complete groups from the gateway, train with FSDP2, publish weights. "
-                       "Admin key from ROLLWAY_ADMIN_KEY.")
-    from trainer.launch import add_arguments as train_args
-
-    train_args(t)
+    t = sub.add_parser("train", help="the RL/SFT trainer (launches torchrun)", add_help=False)
+    t.add_argument("args", nargs=argparse.REMAINDER, help="trainer options (rollway train --help)")
     t.set_defaults(fn=_train)
 
     d = sub.add_parser("demo", help="the whole loop on this CPU machine",
                        description="Create the tiny model, warm it up with SFT, serve it, and train it with RL on "
                        "two-digit addition; prints a summary table, a plot and a JSON line.")
-    from rollway.demo import add_arguments as demo_args
-
-    demo_args(d)
+    d.add_argument("--out", default="rollway-demo", help="folder for the model, database, logs and plot")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--minutes", type=float, default=8.0, help="time budget for the RL phase")
+    d.add_argument("--steps", type=int, default=0, help="stop after this many trainer steps (0 = time budget)")
+    d.add_argument("--nproc", type=int, default=1, help="trainer processes (CPU ranks)")
     d.set_defaults(fn=_demo)
 
     b = sub.add_parser("db", help="database migrations", description="Alembic migrations of the store.")

@@ -171,3 +171,25 @@ async def test_streaming_cumulative(client: httpx.AsyncClient, prompt_ids: list[
     lengths = [len(e["output_ids"]) for e in events]
     assert lengths == sorted(lengths) and [e["meta_info"]["completion_tokens"] for e in events] == lengths
     assert len(events[-1]["meta_info"]["output_token_logprobs"]) == 10
+
+
+async def test_streaming_incremental(tiny_model_dir: Path, client: httpx.AsyncClient, prompt_ids: list[list[int]]) -> None:
+    from engine.server import create_app
+
+    app = create_app(tiny_model_dir, incremental_streaming_output=True)
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    body = {"input_ids": prompt_ids[2], "return_logprob": True, "sampling_params": params}
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=60) as inc:
+            chunks = (await stream_chunks(inc, body))[:-1]
+    finally:
+        app.state.engine.scheduler.stop()
+    final = await generate(client, prompt_ids[2], **params, extra={"return_logprob": True})
+    assert len(chunks) >= 3
+    assert [t for c in chunks for t in c["output_ids"]] == final["output_ids"]
+    assert "".join(c["text"] for c in chunks) == final["text"]
+    logprobs = [e for c in chunks for e in c["meta_info"]["output_token_logprobs"]]
+    assert logprobs == final["meta_info"]["output_token_logprobs"]
+    assert [c["meta_info"]["completion_tokens"] for c in chunks][-1] == 10
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 10}

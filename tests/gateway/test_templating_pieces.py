@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from gateway.errors import BadRequest
 from gateway.templating import ChatTemplate, IncrementalDetokenizer, hf_message
 from gateway.tool_parsers import ParsedReply, ParsedToolCall
 from tests.gateway.text_tokenizers import chatml, chatml_tokenizer, llama31
@@ -126,7 +127,7 @@ def test_hf_message_normalises_openai_form() -> None:
         "tool_calls": [],
     }
     assert hf_message(parts) == {"role": "user", "content": "ab"}
-    with pytest.raises(ValueError, match="image_url"):
+    with pytest.raises(BadRequest, match="image_url"):
         hf_message({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})
 
 

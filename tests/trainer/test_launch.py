@@ -14,7 +14,7 @@ from trainer.fsdp import free_port
 from trainer.launch import main, prepare
 
 
-def test_prepare_writes_the_config_and_the_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prepare_writes_the_config_and_the_command(tmp_path: Path) -> None:
     cfg, nproc, cmd, env = prepare(
         [
             "--gateway",
@@ -31,7 +31,7 @@ def test_prepare_writes_the_config_and_the_command(tmp_path: Path, monkeypatch: 
         ]
     )
     written = json.loads((tmp_path / "o" / "config.json").read_text())
-    assert nproc == 2 and written["lr"] == 2e-6 and "admin_key" not in written
+    assert cfg.out == str(tmp_path / "o") and nproc == 2 and written["lr"] == 2e-6 and "admin_key" not in written
     assert env["ROLLWAY_ADMIN_KEY"] == "secret"
     assert cmd[1:] == [
         "-m",

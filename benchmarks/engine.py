@@ -1,0 +1,114 @@
+"""Engine throughput: generated tokens/s at 1, 8 and 32 concurrent /generate requests over HTTP.
+
+    python benchmarks/engine.py [--sizes tiny 100m] [--threads 2] [--tokens 128]
+
+Each size gets a fresh model (random weights), served by `python -m engine.server` in a subprocess with
+`--threads` torch threads. At concurrency c, c clients each send one request for `--tokens` tokens
+(sampling at T = 1, ignore_eos) at the same moment; tokens/s = generated tokens / wall time. The target
+is speedup(32) = tokens/s at 32 / tokens/s at 1 >= 8. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+CONCURRENCY = (1, 8, 32)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(model_dir: Path, port: int, threads: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    code = f"import torch; torch.set_num_threads({threads}); from engine.server import main; main()"
+    cmd = [sys.executable, "-c", code, "--model", str(model_dir), "--port", str(port), "--max-batch-size", "32"]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT)
+
+
+async def wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
+    async with httpx.AsyncClient() as c:
+        for _ in range(600):
+            assert proc.poll() is None, "engine exited"
+            try:
+                if (await c.get(f"{url}/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.1)
+    raise TimeoutError("engine did not become healthy")
+
+
+async def run_level(url: str, concurrency: int, tokens: int) -> dict[str, float]:
+    params = {"temperature": 1.0, "max_new_tokens": tokens, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=64)) as c:
+
+        async def one(i: int) -> int:
+            prompt = [10 + (i * 7 + j) % 500 for j in range(16 + i % 8)]  # different prompts and lengths
+            r = await c.post("/generate", json={"input_ids": prompt, "sampling_params": params})
+            r.raise_for_status()
+            return len(r.json()["output_ids"])
+
+        await one(0)  # warm-up
+        start = time.perf_counter()
+        produced = sum(await asyncio.gather(*(one(i) for i in range(concurrency))))
+        wall = time.perf_counter() - start
+    return {"concurrency": concurrency, "tokens": produced, "seconds": wall, "tokens_per_s": produced / wall}
+
+
+async def bench_size(size: str, threads: int, tokens: int, workdir: Path) -> list[dict[str, float]]:
+    from engine.tiny_model import create_tiny_model
+
+    model_dir = create_tiny_model(workdir / size, seed=0, size=size)
+    port = free_port()
+    proc = start_server(model_dir, port, threads)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_healthy(url, proc)
+        return [await run_level(url, c, tokens) for c in CONCURRENCY]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "100m"], choices=["tiny", "100m"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=128)
+    args = parser.parse_args()
+    results: dict[str, list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes:
+            results[size] = asyncio.run(bench_size(size, args.threads, args.tokens, Path(tmp)))
+    print(f"{'model':<6} {'concurrency':>11} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'speedup':>8}")
+    summary: dict[str, dict[str, float]] = {}
+    for size, rows in results.items():
+        base = rows[0]["tokens_per_s"]
+        for row in rows:
+            speedup = row["tokens_per_s"] / base
+            print(
+                f"{size:<6} {row['concurrency']:>11} {row['tokens']:>7} {row['seconds']:>8.2f} "
+                f"{row['tokens_per_s']:>9.1f} {speedup:>7.1f}x"
+            )
+            summary.setdefault(size, {})[f"tok_s_c{row['concurrency']}"] = round(row["tokens_per_s"], 1)
+        summary[size]["speedup_c32"] = round(rows[-1]["tokens_per_s"] / base, 2)
+    print(json.dumps({"benchmark": "engine", "threads": args.threads, "tokens": args.tokens, **summary}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Trainer benchmark: the real FSDP2 step against a plain PyTorch loop, and weight-publish time.
+
+    python benchmarks/trainer.py                  # tiny and ~100M-parameter Qwen2 configs
+    python benchmarks/trainer.py --sizes tiny --reps 5
+
+1. Training tokens/s: `trainer.step.rl_step` on the FSDP2-wrapped model (world size 1; gloo on CPU,
+   NCCL + bf16 on GPU) against a plain single-process loop on an unwrapped copy of the same model doing the
+   same passes over the same micro-batches: a no-grad proximal forward, then forward + PPO loss + backward
+   per micro-batch, gradient clipping and one AdamW step. Target: FSDP >= 85% of plain.
+2. Publish: `trainer.checkpoint.export_hf` (gather the full state dict, write safetensors + config +
+   tokenizer files, fsync, atomic rename) against `save_file` + `load_file` of the same tensors.
+   Target: <= 1.5x.
+
+Prints a table, then one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from safetensors.torch import load_file, save_file
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from trainer.batching import Row, collate, plan_step
+from trainer.checkpoint import export_hf, full_state_dict, save_dtype
+from trainer.fsdp import init_distributed, load_sharded_model, shutdown
+from trainer.loss import PolicyInputs, PPOParams, ppo_loss, token_logprobs
+from trainer.step import rl_step
+
+SIZES = {
+    # name: (hidden, intermediate, layers, heads, kv heads, vocab, rows, min length, max length)
+    "tiny": (64, 128, 2, 4, 2, 512, 16, 96, 160),
+    "100m": (768, 2048, 12, 12, 4, 32000, 8, 96, 160),
+}
+
+
+def make_model(size: str, path: Path) -> int:
+    h, inter, layers, heads, kv, vocab, *_ = SIZES[size]
+    config = Qwen2Config(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                         max_position_embeddings=1024, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_rows(size: str, seed: int = 0) -> list[list[Row]]:
+    *_, vocab, n_rows, lo, hi = SIZES[size]
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for i in range(n_rows // 2):  # groups of two sequences
+        rows = []
+        for _ in range(2):
+            n = int(torch.randint(lo, hi + 1, (1,), generator=g))
+            mask = [0] * 32 + [1] * (n - 32)
+            adv = 1.0 if i % 2 else -1.0
+            rows.append(Row(torch.randint(0, vocab, (n,), generator=g).tolist(), mask,
+                            [-torch.log(torch.tensor(float(vocab))).item() * m for m in mask],
+                            [adv * m for m in mask], [1.0] * n))  # fmt: skip
+        groups.append(rows)
+    return groups
+
+
+def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, micro: list, normalizer: float,
+               params: PPOParams) -> None:  # fmt: skip
+    """The plain loop: same passes, no FSDP, no trainer bookkeeping."""
+    with torch.no_grad():
+        prox = [
+            token_logprobs(model(input_ids=mb.input_ids, use_cache=False).logits, mb.targets, mb.temperature)[0]
+            for mb in micro
+        ]
+    opt.zero_grad(set_to_none=True)
+    for mb, p in zip(micro, prox, strict=True):
+        logits = model(input_ids=mb.input_ids, use_cache=False).logits
+        logp, _ = token_logprobs(logits, mb.targets, mb.temperature)
+        inp = PolicyInputs(
+            logp, p, mb.behaviour_logprobs, mb.advantages, mb.loss_mask, mb.token_weight, normalizer
+        )
+        loss, _ = ppo_loss(inp, params)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_size(size: str, reps: int, root: Path) -> dict[str, float]:
+    model_dir = root / f"model-{size}"
+    n_params = make_model(size, model_dir)
+    info = init_distributed(force_cpu=False)
+    device = info.device
+    groups = make_rows(size)
+    tokens = sum(len(r.token_ids) for g in groups for r in g)
+    micro_tokens = 2048 if size == "100m" else 1024
+    plan = plan_step(groups, world_size=1, rank=0, optimizer_steps=1, micro_batch_tokens=micro_tokens,
+                     loss_agg="token_mean")  # fmt: skip
+    params = PPOParams()
+
+    from transformers import AutoModelForCausalLM
+
+    # float32 weights in both; on GPU the plain loop computes under bf16 autocast, as FSDP's policy does
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-6)
+    micro = [collate(rows, "token_mean", device) for rows in plan[0].micro]
+    fsdp = load_sharded_model(str(model_dir), info)
+    fsdp_opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-6)
+
+    t_plain, t_fsdp = [], []
+    for rep in range(reps + 1):  # the first round warms up; interleaved so machine load hits both alike
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+            plain_step(plain, plain_opt, micro, plan[0].normalizer, params)
+        sync(device)
+        t1 = time.perf_counter()
+        rl_step(fsdp, fsdp_opt, plan, params, max_grad_norm=1.0, device=device)
+        sync(device)
+        t2 = time.perf_counter()
+        if rep:
+            t_plain.append(t1 - t0)
+            t_fsdp.append(t2 - t1)
+    del plain, plain_opt
+
+    # publish: export_hf vs save_file + load_file of the same tensors
+    t_export, t_st = [], []
+    for rep in range(3):
+        t0 = time.perf_counter()
+        dest = export_hf(fsdp, model_dir, root / "weights" / f"v{rep:06d}")
+        t_export.append(time.perf_counter() - t0)
+        state = full_state_dict(fsdp)
+        state.pop("lm_head.weight", None)
+        state = {k: v.to(save_dtype(fsdp.config)).contiguous() for k, v in state.items()}
+        st = root / f"plain-{rep}.safetensors"
+        t0 = time.perf_counter()
+        save_file(state, str(st), metadata={"format": "pt"})
+        load_file(str(st))
+        t_st.append(time.perf_counter() - t0)
+        st.unlink()
+        file_mb = (dest / "model.safetensors").stat().st_size / 2**20
+    shutdown()
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
+
+    med = statistics.median
+    return {
+        "params_m": n_params / 1e6, "tokens_per_step": tokens, "micro_batches": len(micro),
+        "plain_tok_s": tokens / med(t_plain), "fsdp_tok_s": tokens / med(t_fsdp),
+        "fsdp_vs_plain": med(t_plain) / med(t_fsdp), "export_s": med(t_export),
+        "write_read_s": med(t_st), "publish_ratio": med(t_export) / med(t_st), "file_mb": file_mb,
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="tiny,100m", help="comma list of: " + ", ".join(SIZES))
+    ap.add_argument("--reps", type=int, default=3, help="timed steps per variant (after one warm-up)")
+    ap.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = {}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for size in args.sizes.split(","):
+            results[size] = bench_size(size, args.reps, Path(tmp) / size)
+    print(f"\ntrainer benchmark on {device} ({torch.get_num_threads()} threads), median of {args.reps} steps")
+    head = f"{'model':>6} {'params':>8} {'tok/step':>8} {'plain tok/s':>12} {'FSDP tok/s':>11} {'FSDP/plain':>10} " \
+           f"{'export s':>9} {'write+read s':>12} {'publish x':>9} {'file MB':>8}"  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for size, r in results.items():
+        print(f"{size:>6} {r['params_m']:>7.1f}M {r['tokens_per_step']:>8} {r['plain_tok_s']:>12.0f} "
+              f"{r['fsdp_tok_s']:>11.0f} {r['fsdp_vs_plain']:>9.1%} {r['export_s']:>9.3f} "
+              f"{r['write_read_s']:>12.3f} {r['publish_ratio']:>8.2f}x {r['file_mb']:>8.1f}")  # fmt: skip
+    print("targets: FSDP/plain >= 85% at world size 1; publish <= 1.5x write+read")
+    print(json.dumps({"benchmark": "trainer", "device": device, "threads": torch.get_num_threads(),
+                      "reps": args.reps, "results": results}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,539 @@
+"""Static checks of docker-compose.yml, its CPU override, docker/ and .env.example. No Docker engine needed.
+
+The files are read with PyYAML (plus compose's `!reset`/`!override` tags), `${VAR}` is interpolated with
+compose's rules from .env.example, the override is merged with compose's merge rules, and every `rollway`
+command is parsed by the real CLI parser. `docker compose config -q` runs as well where a Compose v2 client
+is installed (the test is skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from fnmatch import fnmatch
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ROOT / "docker-compose.yml"
+CPU = ROOT / "docker-compose.cpu.yml"
+ENV_EXAMPLE = ROOT / ".env.example"
+SECRETS = {"ROLLWAY_ADMIN_KEY", "POSTGRES_PASSWORD"}
+TEST_SECRETS = {"ROLLWAY_ADMIN_KEY": "test-admin-key", "POSTGRES_PASSWORD": "test-pg-password"}
+# Services without a healthcheck, and why. Both exit when done; their dependents wait for
+# `service_completed_successfully`, which test_one_shot_services_are_awaited_to_completion checks.
+NO_HEALTHCHECK = {
+    "migrate": "one-shot `rollway db upgrade`: runs to completion, then exits",
+    "init-model": "one-shot `rollway init-model` (CPU override): writes the tiny model, then exits",
+}
+SUBCOMMAND = {"migrate": "db", "gateway": "serve", "trainer": "train", "runner": "rollout",
+              "init-model": "init-model"}
+
+
+# ---------------------------------------------------------------- reading compose files as compose does
+
+
+class Tagged:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class Reset(Tagged):
+    """`!reset`: remove the attribute the base file set."""
+
+
+class Override(Tagged):
+    """`!override`: replace the attribute instead of merging it."""
+
+
+class ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+def _tag(cls: type[Tagged]) -> Any:
+    def construct(loader: yaml.SafeLoader, node: yaml.Node) -> Tagged:
+        if isinstance(node, yaml.MappingNode):
+            return cls(loader.construct_mapping(node, deep=True))
+        if isinstance(node, yaml.SequenceNode):
+            return cls(loader.construct_sequence(node, deep=True))
+        return cls(loader.construct_scalar(node))  # type: ignore[arg-type]
+
+    return construct
+
+
+ComposeLoader.add_constructor("!reset", _tag(Reset))
+ComposeLoader.add_constructor("!override", _tag(Override))
+
+VAR = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<name>[A-Za-z_]\w*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
+                 r"|(?P<bare>[A-Za-z_]\w*))")
+
+
+def load(path: Path) -> dict[str, Any]:
+    return yaml.load(path.read_text(), Loader=ComposeLoader)  # a SafeLoader subclass
+
+
+def strings(node: Any) -> list[str]:
+    if isinstance(node, Tagged):
+        return strings(node.value)
+    if isinstance(node, dict):
+        return [s for v in node.values() for s in strings(v)]
+    if isinstance(node, list):
+        return [s for v in node for s in strings(v)]
+    return [node] if isinstance(node, str) else []
+
+
+def references(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Every `${NAME<op><arg>}` / `$NAME` in the file's values, as (name, op, arg)."""
+    refs = []
+    for s in strings(doc):
+        for m in VAR.finditer(s):
+            if not m["escaped"]:
+                refs.append((m["name"] or m["bare"], m["op"] or "", m["arg"] or ""))
+    return refs
+
+
+def interpolate(node: Any, env: dict[str, str]) -> Any:
+    """Compose's interpolation: ${V}, ${V:-d}, ${V-d}, ${V:?e}, ${V?e}, ${V:+a}, ${V+a}, $V, $$."""
+    if isinstance(node, Tagged):
+        return type(node)(interpolate(node.value, env))
+    if isinstance(node, dict):
+        return {k: interpolate(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [interpolate(v, env) for v in node]
+    if not isinstance(node, str):
+        return node
+
+    def sub(m: re.Match[str]) -> str:
+        if m["escaped"]:
+            return "$"
+        name, op, arg = m["name"] or m["bare"], m["op"] or "", m["arg"] or ""
+        value, unset = env.get(name), name not in env
+        empty = unset or value == ""
+        if op in (":?", "?") and (empty if op == ":?" else unset):
+            raise LookupError(f"required variable {name} is missing a value: {arg}")
+        if op in (":-", "-") and (empty if op == ":-" else unset):
+            return arg
+        if op in (":+", "+"):
+            return "" if (empty if op == ":+" else unset) else arg
+        return value or ""
+
+    out = VAR.sub(sub, node)
+    assert "${" not in out, f"unsupported (nested?) interpolation in {node!r}"
+    return out
+
+
+def env_example() -> dict[str, str]:
+    env = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        m = re.match(r"([A-Z_][A-Z0-9_]*)=(.*)$", line)
+        if m:
+            env[m[1]] = m[2]
+    return env
+
+
+def stack_env() -> dict[str, str]:
+    return {**env_example(), **TEST_SECRETS}
+
+
+def _volumes_by_target(vols: list[Any]) -> dict[str, Any]:
+    return {mount(v)["target"]: v for v in vols}
+
+
+def merge(base: Any, over: Any, key: str = "") -> Any:
+    """Compose's merge rules (reference/compose-file/merge) for what these files use."""
+    if isinstance(over, Override):
+        return over.value
+    if key in ("command", "entrypoint", "test") or not isinstance(base, dict | list):
+        return over
+    if key == "volumes" and isinstance(base, list):  # unique by target
+        return list({**_volumes_by_target(base), **_volumes_by_target(over)}.values())
+    if isinstance(base, list):
+        return base + over
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Reset):
+            out.pop(k, None)
+        else:
+            out[k] = merge(out[k], v, k) if k in out else (v.value if isinstance(v, Override) else v)
+    return out
+
+
+def mount(v: Any) -> dict[str, Any]:
+    """Short or long volume syntax as {source, target, read_only, named}."""
+    if isinstance(v, dict):
+        source, target, ro = v.get("source", ""), v["target"], bool(v.get("read_only"))
+    else:
+        parts = v.split(":")
+        if len(parts) == 1:
+            source, target, ro = "", parts[0], False
+        else:
+            source, target = parts[0], parts[1]
+            ro = len(parts) > 2 and "ro" in parts[2].split(",")
+    named = bool(source) and not source.startswith(("/", ".", "~", "$"))
+    return {"source": source, "target": target, "read_only": ro, "named": named}
+
+
+def project(with_cpu: bool) -> dict[str, Any]:
+    env = stack_env()
+    doc = interpolate(load(BASE), env)
+    if with_cpu:
+        doc = merge(doc, interpolate(load(CPU), env))
+    return doc
+
+
+CONFIGS = {"gpu": False, "cpu": True}
+
+
+@pytest.fixture(params=list(CONFIGS), scope="module")
+def config(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    return request.param, project(CONFIGS[request.param])
+
+
+@pytest.fixture(scope="module")
+def parser() -> Any:
+    from rollway.cli import build_parser  # a failure here means the CLI itself does not import
+
+    return build_parser()
+
+
+def argv_of(svc: dict[str, Any]) -> list[str]:
+    cmd = svc.get("command", [])
+    return shlex.split(cmd) if isinstance(cmd, str) else [str(c) for c in cmd]
+
+
+def dockerfile_entrypoint(svc: dict[str, Any]) -> list[str] | None:
+    build = svc.get("build")
+    if not isinstance(build, dict):
+        return None
+    text = (ROOT / build.get("context", ".") / build.get("dockerfile", "Dockerfile")).read_text()
+    m = re.search(r"^ENTRYPOINT\s+(\[.*\])\s*$", text, re.M)
+    return json.loads(m[1]) if m else None
+
+
+def rollway_argv(svc: dict[str, Any]) -> list[str] | None:
+    """The argv after `rollway` when the service runs the rollway CLI, else None."""
+    entry = svc.get("entrypoint") or dockerfile_entrypoint(svc)
+    if entry != ["rollway"]:
+        return None
+    return argv_of(svc)
+
+
+def flag(argv: list[str], name: str) -> str:
+    assert name in argv, f"{name} missing from {argv}"
+    return argv[argv.index(name) + 1]
+
+
+def under(path: str, target: str) -> bool:
+    return PurePosixPath(path) == PurePosixPath(target) or PurePosixPath(target) in PurePosixPath(path).parents
+
+
+def covering_mount(svc: dict[str, Any], path: str) -> dict[str, Any]:
+    mounts = [mount(v) for v in svc.get("volumes", []) if under(path, mount(v)["target"])]
+    assert mounts, f"no volume covers {path}"
+    return max(mounts, key=lambda m: len(m["target"]))
+
+
+def model_users(svcs: dict[str, Any]) -> dict[str, str]:
+    """Service -> the model folder it reads."""
+    sg = argv_of(svcs["sglang"])
+    return {
+        "sglang": flag(sg, "--model-path") if "--model-path" in sg else flag(sg, "--model"),
+        "gateway": flag(argv_of(svcs["gateway"]), "--tokenizer"),
+        "trainer": flag(argv_of(svcs["trainer"]), "--model"),
+    }
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def test_files_exist_and_parse() -> None:
+    for path in (BASE, CPU, ENV_EXAMPLE, ROOT / "docker" / "Dockerfile"):
+        assert path.is_file(), path
+    assert set(load(BASE)["services"]) == {"postgres", "migrate", "sglang", "gateway", "trainer", "runner"}
+    assert set(load(CPU)["services"]) <= {"init-model", "sglang", "gateway", "trainer", "runner", "migrate"}
+
+
+def test_every_service_has_an_image_or_a_build(config: tuple[str, dict[str, Any]]) -> None:
+    name, doc = config
+    ours = stack_env()["ROLLWAY_IMAGE"] + ":"
+    for svc_name, svc in doc["services"].items():
+        assert svc.get("image") or svc.get("build"), f"{name}: {svc_name} has neither image nor build"
+        if str(svc.get("image", "")).startswith(ours):  # never pulled: each service can build it
+            assert svc.get("build"), f"{name}: {svc_name} uses our image {svc['image']} without a build"
+
+
+def test_build_contexts_and_dockerfiles_exist(config: tuple[str, dict[str, Any]]) -> None:
+    _, doc = config
+    builds = [s["build"] for s in doc["services"].values() if "build" in s]
+    assert builds
+    for build in builds:
+        context = ROOT / build["context"]
+        assert context.is_dir(), context
+        assert (context / build["dockerfile"]).is_file(), build["dockerfile"]
+        assert set(build.get("args", {})) <= {"TORCH", "TORCH_VERSION", "EXTRAS", "UID"}
+        assert build["args"]["TORCH"] in ("cpu", "cuda")
+
+
+def test_dockerfile() -> None:
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
+    assert re.search(r"^ARG TORCH=cpu$", text, re.M)
+    for torch in ("cpu)", "cuda)", "torch==${TORCH_VERSION}", "https://download.pytorch.org/whl/cpu"):
+        assert torch in text
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0"), "the image must end as a non-root user"
+    assert re.search(r'^ENTRYPOINT \["rollway"\]$', text, re.M)
+    # What the image needs must survive docker/Dockerfile.dockerignore.
+    ignore = ROOT / "docker" / "Dockerfile.dockerignore"
+    patterns = [p.strip() for p in ignore.read_text().splitlines() if p.strip() and not p.startswith("#")]
+    needed = ["pyproject.toml", "README.md", "rollway", "gateway", "engine", "trainer", "migrations",
+              "agents", "agents/arithmetic.py", "agents/tasks/arithmetic.jsonl"]
+    for path in needed:
+        assert (ROOT / path).exists(), path
+        assert not any(fnmatch(path, p) or fnmatch(path, p + "/*") for p in patterns), f"{path} is ignored"
+
+
+def test_every_service_has_a_healthcheck_or_an_exemption(config: tuple[str, dict[str, Any]]) -> None:
+    name, doc = config
+    for svc_name, svc in doc["services"].items():
+        if svc_name in NO_HEALTHCHECK:
+            assert "healthcheck" not in svc
+            assert svc.get("restart") == "no", f"{name}: exempt {svc_name} must be one-shot"
+            continue
+        check = svc.get("healthcheck")
+        assert check and check.get("test") and not check.get("disable"), f"{name}: {svc_name} has no healthcheck"
+        assert check["test"][0] in ("CMD", "CMD-SHELL"), check["test"]
+
+
+def test_healthchecks_probe_the_ports_served(config: tuple[str, dict[str, Any]]) -> None:
+    _, doc = config
+    svcs = doc["services"]
+    sglang_port = flag(argv_of(svcs["sglang"]), "--port")
+    gateway_port = flag(argv_of(svcs["gateway"]), "--port")
+    assert f"127.0.0.1:{sglang_port}/health" in " ".join(svcs["sglang"]["healthcheck"]["test"])
+    assert f"127.0.0.1:{gateway_port}/health" in " ".join(svcs["gateway"]["healthcheck"]["test"])
+    assert "pg_isready" in svcs["postgres"]["healthcheck"]["test"]
+
+
+def test_named_volumes_are_declared_and_used(config: tuple[str, dict[str, Any]]) -> None:
+    name, doc = config
+    declared = set(doc.get("volumes") or {})
+    used = {m["source"] for s in doc["services"].values() for m in map(mount, s.get("volumes", [])) if m["named"]}
+    assert used <= declared, f"{name}: undeclared volumes {used - declared}"
+    assert declared <= used, f"{name}: declared but unused volumes {declared - used}"
+    assert "pgdata" in {mount(v)["source"] for v in doc["services"]["postgres"]["volumes"]}
+
+
+def test_variables_are_documented_and_secrets_required() -> None:
+    documented = set(env_example())
+    refs = references(load(BASE)) + references(load(CPU))
+    names = {name for name, _, _ in refs}
+    assert names <= documented, f"undocumented in .env.example: {sorted(names - documented)}"
+    assert documented <= names, f"documented but never used: {sorted(documented - names)}"
+    for name, op, arg in refs:
+        if name in SECRETS:
+            assert op == ":?" and arg.strip(), f"${{{name}}} must be written ${{{name}:?message}}"
+    assert SECRETS <= names
+    for secret in SECRETS:  # no real secret in the example file
+        assert env_example()[secret] == ""
+    # Each variable sits in a paragraph that says what it is.
+    for para in ENV_EXAMPLE.read_text().split("\n\n"):
+        lines = para.strip().splitlines()
+        if any(re.match(r"[A-Z_]+=", ln) for ln in lines):
+            assert any(ln.startswith("# ") for ln in lines), f"undocumented: {para!r}"
+
+
+def test_a_missing_secret_stops_interpolation() -> None:
+    for secret in SECRETS:
+        env = {k: v for k, v in stack_env().items() if k != secret}
+        with pytest.raises(LookupError, match=secret):
+            interpolate(load(BASE), env)
+
+
+def test_depends_on_conditions(config: tuple[str, dict[str, Any]]) -> None:
+    name, doc = config
+    svcs = doc["services"]
+
+    def deps(svc: str) -> dict[str, str]:
+        return {k: v["condition"] for k, v in svcs[svc].get("depends_on", {}).items()}
+
+    assert deps("migrate") == {"postgres": "service_healthy"}
+    assert deps("gateway") == {"postgres": "service_healthy", "sglang": "service_healthy",
+                               "migrate": "service_completed_successfully"}
+    assert deps("trainer") == {"gateway": "service_healthy"}
+    assert deps("runner") == {"gateway": "service_healthy"}
+    if name == "cpu":
+        assert deps("sglang") == {"init-model": "service_completed_successfully"}
+    for svc in svcs:
+        for dep, cond in deps(svc).items():
+            assert dep in svcs, f"{svc} depends on unknown {dep}"
+            if cond == "service_healthy":
+                assert "healthcheck" in svcs[dep], f"{svc} waits for {dep} to be healthy, it has no check"
+
+
+def test_one_shot_services_are_awaited_to_completion(config: tuple[str, dict[str, Any]]) -> None:
+    _, doc = config
+    svcs = doc["services"]
+    for one_shot in set(NO_HEALTHCHECK) & set(svcs):
+        waiters = [s for s in svcs.values() if s.get("depends_on", {}).get(one_shot)]
+        assert waiters, f"nothing waits for {one_shot}"
+        assert all(s["depends_on"][one_shot]["condition"] == "service_completed_successfully" for s in waiters)
+
+
+def test_rollway_commands_parse_with_the_cli(config: tuple[str, dict[str, Any]], parser: Any) -> None:
+    name, doc = config
+    seen = set()
+    for svc_name, svc in doc["services"].items():
+        argv = rollway_argv(svc)
+        if argv is None:
+            continue
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:
+            pytest.fail(f"{name}: {svc_name}: `rollway {shlex.join(argv)}` does not parse (exit {e.code})")
+        seen.add(svc_name)
+        expected = "engine" if svc_name == "sglang" else SUBCOMMAND[svc_name]
+        assert args.command == expected, f"{svc_name} runs `rollway {args.command}`"
+    assert {"migrate", "gateway", "trainer", "runner"} <= seen
+    if name == "cpu":
+        assert {"sglang", "init-model"} <= seen
+
+
+def test_trainer_options_are_train_config_fields(config: tuple[str, dict[str, Any]]) -> None:
+    from trainer.config import load_config, parse_overrides
+
+    _, doc = config
+    argv = rollway_argv(doc["services"]["trainer"])
+    assert argv and argv[0] == "train"
+    rest = argv[1:]
+    nproc = flag(rest, "--nproc")
+    assert int(nproc) >= 1
+    del rest[rest.index("--nproc") : rest.index("--nproc") + 2]  # torchrun's, not a TrainConfig field
+    cfg = load_config(None, parse_overrides(rest))  # an unknown key or a bad value raises here
+    assert cfg.gateway and cfg.model and cfg.out
+
+
+def test_services_point_at_each_other(config: tuple[str, dict[str, Any]], parser: Any) -> None:
+    name, doc = config
+    svcs = doc["services"]
+    env = stack_env()
+    sg = argv_of(svcs["sglang"])
+    gw = parser.parse_args(rollway_argv(svcs["gateway"]))
+    assert gw.backend == [f"http://sglang:{flag(sg, '--port')}"]
+    assert gw.host == "0.0.0.0"
+    assert gw.tokenizer == env["MODEL_PATH"]
+    assert gw.db.startswith("postgresql://rollway:") and "@postgres:5432/rollway" in gw.db
+    assert env["POSTGRES_PASSWORD"] in gw.db
+    migrate = parser.parse_args(rollway_argv(svcs["migrate"]))
+    assert (migrate.action, migrate.db) == ("upgrade", gw.db)
+    assert svcs["gateway"]["ports"] == [f"{env['GATEWAY_BIND']}:{env['GATEWAY_PORT']}:{gw.port}"]
+    gateway_url = f"http://gateway:{gw.port}"
+    assert flag(argv_of(svcs["trainer"]), "--gateway") == gateway_url
+    runner = parser.parse_args(rollway_argv(svcs["runner"]))
+    assert runner.gateway == gateway_url
+    for path in (runner.agent, runner.tasks):  # /app is the repository in the image (COPY . /app)
+        assert path.startswith("/app/") and (ROOT / path.removeprefix("/app/")).is_file(), path
+    for svc in ("gateway", "trainer", "runner"):
+        assert svcs[svc]["environment"]["ROLLWAY_ADMIN_KEY"] == env["ROLLWAY_ADMIN_KEY"]
+    assert svcs["postgres"]["environment"]["POSTGRES_PASSWORD"] == env["POSTGRES_PASSWORD"]
+    if name == "gpu":
+        assert svcs["sglang"]["image"] == f"lmsysorg/sglang:{env['SGLANG_TAG']}"
+        assert svcs["sglang"]["entrypoint"] == ["python3", "-m", "sglang.launch_server"]
+        assert flag(sg, "--host") == "0.0.0.0"
+    else:
+        engine = parser.parse_args(rollway_argv(svcs["sglang"]))
+        assert (engine.command, engine.host) == ("engine", "0.0.0.0")
+
+
+def test_sglang_image_tag_is_a_variable() -> None:
+    image = load(BASE)["services"]["sglang"]["image"]
+    assert re.fullmatch(r"lmsysorg/sglang:\$\{SGLANG_TAG:-v[\w.\-]+\}", image), image
+
+
+def test_model_is_mounted_read_only_at_one_path(config: tuple[str, dict[str, Any]]) -> None:
+    name, doc = config
+    svcs = doc["services"]
+    users = model_users(svcs)
+    assert set(users.values()) == {stack_env()["MODEL_PATH"]}
+    mounts = {svc: covering_mount(svcs[svc], path) for svc, path in users.items()}
+    assert len({(m["source"], m["target"]) for m in mounts.values()}) == 1, mounts
+    assert all(m["read_only"] for m in mounts.values()), mounts
+    if name == "cpu":  # the tiny model is written by the one-shot service into that same volume
+        init = svcs["init-model"]
+        out = flag(argv_of(init), "--out")
+        written = covering_mount(init, out)
+        assert out == users["sglang"] and not written["read_only"]
+        assert (written["source"], written["target"]) == (mounts["sglang"]["source"], mounts["sglang"]["target"])
+        assert written["named"]
+
+
+def test_checkpoints_are_shared_at_the_same_path(config: tuple[str, dict[str, Any]]) -> None:
+    _, doc = config
+    svcs = doc["services"]
+    out = flag(argv_of(svcs["trainer"]), "--out")
+    written = covering_mount(svcs["trainer"], out)
+    assert written["named"] and not written["read_only"]
+    read = covering_mount(svcs["sglang"], out)
+    assert (read["source"], read["target"]) == (written["source"], written["target"])
+
+
+def test_gpu_reservations(config: tuple[str, dict[str, Any]]) -> None:
+    name, doc = config
+    for svc_name, svc in doc["services"].items():
+        devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        if name == "cpu" or svc_name not in ("sglang", "trainer"):
+            assert not devices, f"{name}: {svc_name} reserves a GPU"
+            continue
+        assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+        assert devices[0].get("device_ids") or devices[0].get("count")
+    if name == "gpu":
+        assert doc["services"]["trainer"]["build"]["args"]["TORCH"] == "cuda"
+    else:
+        assert all(s.get("build", {}).get("args", {}).get("TORCH", "cpu") == "cpu" for s in doc["services"].values())
+
+
+# ---------------------------------------------------------------- the real client, where there is one
+
+
+def _compose() -> tuple[list[str], tuple[int, ...]] | None:
+    docker = shutil.which("docker")
+    if docker is None:
+        return None
+    r = subprocess.run([docker, "compose", "version", "--short"], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        return None
+    version = tuple(int(x) for x in re.findall(r"\d+", r.stdout)[:3])
+    return [docker, "compose"], version
+
+
+def test_docker_compose_config(tmp_path: Path) -> None:
+    found = _compose()
+    if found is None:
+        pytest.skip("no docker compose v2 client here")
+    cli, version = found
+    env_file = tmp_path / "test.env"
+    base_env = {k: v for k, v in os.environ.items() if k not in env_example() and not k.startswith("COMPOSE_")}
+
+    def run_config(files: list[Path], values: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        env_file.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+        cmd = [*cli, "--env-file", str(env_file)]
+        for f in files:
+            cmd += ["-f", str(f)]
+        return subprocess.run([*cmd, "config", "-q"], cwd=ROOT, env=base_env, capture_output=True, text=True,
+                              timeout=120)
+
+    r = run_config([BASE], stack_env())
+    assert r.returncode == 0, r.stderr
+    if version >= (2, 24):  # `!reset`
+        r = run_config([BASE, CPU], stack_env())
+        assert r.returncode == 0, r.stderr
+    for secret in SECRETS:
+        r = run_config([BASE], {k: v for k, v in stack_env().items() if k != secret})
+        assert r.returncode != 0 and secret in r.stderr, r.stderr
