@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))  # `engine` must be the package, not this file
     results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from trainer.batching import Row, collate, plan_step
+from trainer.batching import MicroBatch, Row, collate, plan_step
 from trainer.checkpoint import export_hf, full_state_dict, save_dtype
 from trainer.fsdp import init_distributed, load_sharded_model, shutdown
 from trainer.loss import PolicyInputs, PPOParams, ppo_loss, token_logprobs
@@ -73,18 +73,19 @@ def make_rows(size: str, seed: int = 0) -> list[list[Row]]:
     return groups
 
 
+def logprobs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    logits = model(input_ids=mb.input_ids, use_cache=False).logits
+    return token_logprobs(logits, mb.targets, mb.temperature)[0]
+
+
 def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, micro: list, normalizer: float,
                params: PPOParams) -> None:  # fmt: skip
     """The plain loop: same passes, no FSDP, no trainer bookkeeping."""
     with torch.no_grad():
-        prox = [
-            token_logprobs(model(input_ids=mb.input_ids, use_cache=False).logits, mb.targets, mb.temperature)[0]
-            for mb in micro
-        ]
+        prox = [logprobs(model, mb) for mb in micro]
     opt.zero_grad(set_to_none=True)
     for mb, p in zip(micro, prox, strict=True):
-        logits = model(input_ids=mb.input_ids, use_cache=False).logits
-        logp, _ = token_logprobs(logits, mb.targets, mb.temperature)
+        logp = logprobs(model, mb)
         inp = PolicyInputs(
             logp, p, mb.behaviour_logprobs, mb.advantages, mb.loss_mask, mb.token_weight, normalizer
         )

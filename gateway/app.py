@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -154,6 +155,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(jinja2.TemplateError)
+    async def _template(_: Request, exc: jinja2.TemplateError) -> JSONResponse:
+        # The model's chat template refused the conversation (e.g. roles in an order it does not allow).
+        return JSONResponse(error_body(f"the chat template refused these messages: {exc}", "invalid_request_error",
+                                       "messages"), status_code=400)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

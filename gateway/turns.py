@@ -19,7 +19,7 @@ from gateway.metrics import Metrics
 from gateway.sessions_cache import SessionCache, SessionView
 from gateway.store.store import SessionAuth, Store, new_id
 from gateway.templating import ChatTemplate
-from gateway.tool_parsers import ParsedReply, get_tool_parser, parse_reply
+from gateway.tool_parsers import ParsedReply, ToolParser, get_tool_parser, parse_reply
 from gateway.wire import pack
 
 
@@ -170,18 +170,17 @@ class TurnService:
 
     # --- after generation ------------------------------------------------------------------------
 
-    def decode(self, ids: list[int]) -> str:
-        if ids and ids[-1] in self.stop_ids:
-            ids = ids[:-1]
-        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+    def parser_for(self, req: TurnRequest) -> ToolParser | None:
+        """No tool parsing when no tools were offered (a JSON answer is then just text)."""
+        return self.parser if req.tools else None
 
     async def finish(self, p: PreparedTurn, gen: Generation, *, client_disconnected: bool = False) -> FinishedTurn:
-        text = self.decode(gen.ids)
+        text = self.template.completion_text(gen.ids)
         matched = (gen.finish or {}).get("matched")
         if isinstance(matched, str) and matched in text:
             text = text[: text.index(matched)]
         raw_only = p.req.endpoint == "completions"
-        parsed = ParsedReply(text, None, []) if raw_only else parse_reply(text, self.parser, reasoning=self.reasoning)
+        parsed = ParsedReply(text, None, []) if raw_only else parse_reply(text, self.parser_for(p.req), reasoning=self.reasoning)
         ftype = "abort" if client_disconnected else gen.finish_type
         finish = {"stop": "tool_calls" if parsed.tool_calls else "stop", "length": "length"}.get(ftype, "abort")
         reply = {} if raw_only or (client_disconnected and not gen.ids) else self.template.assistant_message(parsed)

@@ -83,7 +83,9 @@ class TrainConfig:
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     """token_mean: every loss token of the step weighs the same; seq_mean: every sequence does."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL estimate to the reference model (the starting weights); 0 = no reference."""
+    """Weight of the k3 KL estimate to the reference model; 0 = no reference model is loaded."""
+    ref_model: str = ""
+    """HF folder of the KL reference; empty = --model (else the weights training started from)."""
 
     # --- checkpoints and publishing ---
     checkpoint_every: int = 1

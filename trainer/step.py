@@ -92,8 +92,9 @@ def run_minibatches(
         "padded_tokens": out.pop("padded_tokens"),
         "minibatches": float(len(plan)),
     }
-    for k, total in out.items():
-        result[k.removesuffix("_sum")] = total / tokens  # per loss token: entropy, kl, clipped, nll, ...
+    names = {"clipped_sum": "clip_frac", "behaviour_capped_sum": "behaviour_capped_frac"}
+    for k, total in out.items():  # per loss token: entropy, kl, clip fraction, nll, ...
+        result[names.get(k, k.removesuffix("_sum"))] = total / tokens
     if grad_norms:
         result["grad_norm"] = sum(grad_norms) / len(grad_norms)
     return result

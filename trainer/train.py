@@ -146,7 +146,8 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
         gw_version, gw_path = on_rank0(info, "reading GET /v1/weights", GatewayClient.current_weights, client)
         source = gw_path if gw_path and Path(gw_path).is_dir() else cfg.model
         model = load_sharded_model(source, info)
-        ref_model = load_sharded_model(source, info, trainable=False) if cfg.kl_coef > 0 else None
+        ref_source = cfg.ref_model or cfg.model or source  # not the latest published weights after a restart
+        ref_model = load_sharded_model(ref_source, info, trainable=False) if cfg.kl_coef > 0 else None
         optimizer = make_optimizer(model, cfg)
         step, version = 0, gw_version
         ckpt = latest_checkpoint(out / "checkpoints")

@@ -18,7 +18,8 @@ from fastapi.responses import StreamingResponse
 
 from gateway.errors import GatewayError
 from gateway.generation import Generation, generate
-from gateway.tool_parsers import StreamingReplyParser, get_tool_parser
+from gateway.templating import IncrementalDetokenizer
+from gateway.tool_parsers import StreamingReplyParser
 from gateway.turns import PreparedTurn, TurnService
 
 log = logging.getLogger("rollway.gateway")
@@ -62,9 +63,9 @@ async def stream_turn(
                                          "finish_reason": finish}]})
 
     async def body() -> AsyncIterator[bytes]:
-        parser = StreamingReplyParser(get_tool_parser(state.settings.tool_parser), reasoning=state.settings.reasoning)
+        parser = StreamingReplyParser(turns.parser_for(prepared.req), reasoning=state.settings.reasoning)
+        detok = IncrementalDetokenizer(turns.template)
         emitted: dict[str, str] = {"content": "", "reasoning_content": ""}
-        text = ""
         seen = 0
         stored = False
         try:
@@ -77,16 +78,13 @@ async def stream_turn(
                     yield n
 
             async for _ in pieces():
-                new_text = turns.decode(gen.ids)
-                if new_text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                    continue
-                delta, text = new_text[len(text):], new_text
+                delta = detok.feed(gen.ids[seen:])
                 lp = None
                 if want_logprobs:
                     lp = {"content": logprobs_content(turns, gen.ids[seen:], gen.logprobs[seen:],
                                                       gen.top_logprobs[seen:])}
                 seen = len(gen.ids)
-                out = parser.feed(delta)
+                out = parser.feed(delta) if delta else []
                 for kind, piece in out:
                     emitted[kind] += piece
                     yield chunk({kind: piece}, logprobs=lp)
@@ -95,6 +93,9 @@ async def stream_turn(
                     yield chunk({}, logprobs=lp)
             done = await turns.finish(prepared, gen)
             stored = True
+            for kind, piece in parser.feed(detok.flush()):
+                emitted[kind] += piece
+                yield chunk({kind: piece})
             final = parser.finish()
             for kind, value in (("reasoning_content", final.reasoning_content), ("content", final.content)):
                 rest = (value or "")[len(emitted[kind]):]

@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tests.fakes.serve import ServerThread, serve_forever
-from tests.fakes.sglang_gen import Generation, bad, cached_prefix, event, render, step, validate
+from tests.fakes.sglang_gen import Generation, abort_finish, bad, cached_prefix, event, render, step, validate
 
 _POLL = 0.005
 
@@ -52,6 +52,14 @@ class _Dropped(Exception):
 
 
 class FakeSGLang:
+    """The fake server: an ASGI app (itself) plus test handles; `start()`/`with` serves it on `url`.
+
+    `vocab` the ids drawn, `eos_token_ids` ids that always stop (besides `stop_token_ids`),
+    `incremental` streams deltas (`incremental_logprobs` may differ, as in some SGLang versions),
+    `token_delay` seconds per token (lets tests pause or disconnect mid-generation), `stream_interval`
+    tokens per chunk, `context_length`/`max_req_input_len` the limits /generate enforces and /server_info
+    reports, `load_delay` seconds a weight update takes, `legacy` a 0.4-style server."""
+
     def __init__(
         self,
         *,
@@ -107,7 +115,6 @@ class FakeSGLang:
                 Route("/pause_generation", self._pause, methods=["POST"]),
                 Route("/continue_generation", self._continue, methods=["POST"]),
                 Route("/update_weights_from_disk", self._update_weights, methods=["POST"]),
-                Route("/update_weight_version", self._update_version, methods=["POST"]),
                 Route("/flush_cache", self._flush_cache, methods=["GET", "POST"]),
                 Route(info, self._model_info, methods=["GET"]),
                 Route(server, self._server_info, methods=["GET"]),
@@ -157,9 +164,7 @@ class FakeSGLang:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.down:
-            await send(
-                {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"99")]}
-            )
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"9")]})
             raise _Dropped("fake is down")
         await self._app(scope, receive, send)
 
@@ -174,9 +179,7 @@ class FakeSGLang:
         if self._failures:
             status = self._failures.popleft()
             return JSONResponse({"error": {"message": f"fake: injected failure {status}"}}, status)
-        error = validate(
-            payload, context_length=self.context_length, max_input=self.max_req_input_len, legacy=self.legacy
-        )
+        error = validate(payload, self.context_length, self.max_req_input_len, self.legacy)
         if error is not None:
             return error
         ids = payload["input_ids"]
@@ -197,9 +200,8 @@ class FakeSGLang:
 
     def _admit(self, input_ids: list[int], sp: dict[str, Any], rid: str | None, top_n: int) -> Generation:
         seed = sp.get("sampling_seed")
-        temperature = sp.get("temperature")
-        if seed is None and (temperature is None or temperature > 0):
-            self._draws += 1
+        if seed is None and (sp.get("temperature") is None or sp["temperature"] > 0):
+            self._draws += 1  # sampling without a seed: identical prompts get different outputs
             seed = f"draw-{self._draws}"
         digest = hashlib.blake2b(orjson.dumps([self.seed, seed, input_ids]), digest_size=8).digest()
         gen = Generation(
@@ -219,20 +221,14 @@ class FakeSGLang:
         # The waiting queue: a paused server holds new requests until continue (or their abort).
         await _until(lambda: self.paused is None or gen.abort_message is not None)
         if gen.abort_message is not None:
-            gen.finish = {
-                "type": "abort",
-                "message": "Abort before prefill" if self.legacy else gen.abort_message,
-            }
+            gen.finish = abort_finish(
+                "Abort before prefill" if self.legacy else gen.abort_message, running=False
+            )
             return
         gen.started = True
         while gen.finish is None:
             if gen.abort_message is not None:
-                gen.finish = {
-                    "type": "abort",
-                    "message": gen.abort_message,
-                    "status_code": None,
-                    "err_type": None,
-                }
+                gen.finish = abort_finish(gen.abort_message, running=True)
                 return
             if self.paused in ("retract", "in_place"):
                 await asyncio.sleep(_POLL)
@@ -336,16 +332,7 @@ class FakeSGLang:
             self.weight_version = str(body["weight_version"])
         if body.get("flush_cache", True):
             self._history.clear()
-        return JSONResponse(
-            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
-        )
-
-    async def _update_version(self, request: Request) -> Response:
-        body = await self._json(request)
-        if body.get("abort_all_requests", True):
-            self._abort_matching("", abort_all=True)
-        self.weight_version = str(body["new_version"])
-        return JSONResponse({"success": True, "message": "ok", "new_version": self.weight_version})
+        return JSONResponse({"success": True, "message": "Weights updated.", "num_paused_requests": 0})
 
     async def _flush_cache(self, request: Request) -> Response:
         self.calls.append((request.url.path, {}))
@@ -363,8 +350,6 @@ class FakeSGLang:
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self.weight_version,
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
             }
         )
 

@@ -52,13 +52,18 @@ def bad(message: str) -> Response:
     return JSONResponse({"error": {"message": message}}, 400)
 
 
+def abort_finish(message: str, *, running: bool) -> dict[str, Any]:
+    """SGLang's abort reason; a request aborted while running also carries (null) status_code/err_type."""
+    if running:
+        return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+    return {"type": "abort", "message": message}
+
+
 def event(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def validate(
-    payload: dict[str, Any], *, context_length: int, max_input: int, legacy: bool
-) -> Response | None:
+def validate(payload: dict[str, Any], context_length: int, max_input: int, legacy: bool) -> Response | None:
     """SGLang's 400s: empty input, unknown or bad sampling params, prompt over the context."""
     ids = payload.get("input_ids")
     if not isinstance(ids, list) or not ids or any(isinstance(p, list) and not p for p in ids):

@@ -77,7 +77,7 @@ def test_world_size_2_matches_world_size_1(tiny_model: Path, tmp_path: Path) -> 
     m1, m2 = one["metrics"], two["metrics"]
     assert m1["minibatches"] == 2 and m1["loss_tokens"] == m2["loss_tokens"] > 0
     assert abs(m1["loss"] - m2["loss"]) <= 1e-5 * abs(m1["loss"]) + 1e-7
-    for k in ("clipped", "entropy", "pg_loss", "ratio", "behaviour_capped", "grad_norm"):
+    for k in ("clip_frac", "entropy", "pg_loss", "ratio", "behaviour_capped_frac", "grad_norm"):
         assert abs(m1[k] - m2[k]) <= 1e-5 * abs(m1[k]) + 1e-7, k
     assert m1["ratio"] != 1.0  # the second minibatch is scored against the recomputed proximal policy
     start = load_sharded_state(tiny_model)

@@ -31,7 +31,9 @@ def test_prepare_writes_the_config_and_the_command(tmp_path: Path) -> None:
         ]
     )
     written = json.loads((tmp_path / "o" / "config.json").read_text())
-    assert cfg.out == str(tmp_path / "o") and nproc == 2 and written["lr"] == 2e-6 and "admin_key" not in written
+    assert (
+        cfg.out == str(tmp_path / "o") and nproc == 2 and written["lr"] == 2e-6 and "admin_key" not in written
+    )
     assert env["ROLLWAY_ADMIN_KEY"] == "secret"
     assert cmd[1:] == [
         "-m",
