@@ -36,7 +36,17 @@ def free_port() -> int:
 def start_server(model_dir: Path, port: int, threads: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     code = f"import torch; torch.set_num_threads({threads}); from engine.server import main; main()"
-    cmd = [sys.executable, "-c", code, "--model", str(model_dir), "--port", str(port), "--max-batch-size", "32"]
+    cmd = [
+        sys.executable,
+        "-c",
+        code,
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--max-batch-size",
+        "32",
+    ]
     return subprocess.Popen(cmd, env=env, cwd=ROOT)
 
 

@@ -3,13 +3,56 @@
 Requests are prefilled alone (their own cache, no padding, so a prefill equals a plain forward pass) and
 then merged into the batch by left-padding the shorter side. Every decode step appends one column for
 all rows at once; rows leave with an index select, and padding columns no row needs any more are cut.
-This is how `generate` handles a left-padded batch, with rows that come and go between steps.
+This is how `generate` handles a left-padded batch, with rows that come and go between steps. The
+layers keep spare room along the sequence (`SlabLayer`), so a step writes one column instead of
+copying the whole cache as `DynamicLayer`'s concatenation does.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+SPARE_COLUMNS = 64
+
+
+class SlabLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys/values are views of larger buffers with room to grow."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self._fill(keys, values)
+
+    def _fill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        b, h, t, d = keys.shape
+        room = t + max(SPARE_COLUMNS, t // 2)  # geometric growth: amortised O(1) per column
+        self._k = keys.new_empty(b, h, room, d)
+        self._v = values.new_empty(b, h, room, values.shape[3])
+        self._k[:, :, :t] = keys
+        self._v[:, :, :t] = values
+        self._len = t
+        self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key_states.shape[-2]
+        if self._len + n > self._k.shape[2]:
+            self._fill(self.keys, self.values)
+        self._k[:, :, self._len : self._len + n] = key_states
+        self._v[:, :, self._len : self._len + n] = value_states
+        self._len += n
+        self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
+        return self.keys, self.values
+
+
+def _slab_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    cache = DynamicCache()
+    cache.layers = [SlabLayer(k, v) for k, v in layers]
+    return cache
 
 
 def layers_of(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -44,7 +87,7 @@ class DecodeBatch:
                 [_pad_left(p[layer][1], width - w) for p, w in zip(parts, widths, strict=True)]
             )
             merged.append((keys, values))
-        self.cache = DynamicCache(ddp_cache_data=merged)
+        self.cache = _slab_cache(merged)
         self.lengths += [c.get_seq_length() for c in caches]
 
     def keep(self, rows: list[int]) -> None:
@@ -57,9 +100,7 @@ class DecodeBatch:
         self.lengths = [self.lengths[r] for r in rows]
         cut = self.width - max(self.lengths)
         index = torch.tensor(rows)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, cut:].contiguous()
-            layer.values = layer.values[index, :, cut:].contiguous()
+        self.cache = _slab_cache([(k[index, :, cut:], v[index, :, cut:]) for k, v in layers_of(self.cache)])
 
     def step_inputs(self, last_tokens: list[int]) -> dict[str, object]:
         """Model kwargs for one decode step that feeds each row its last sampled token."""

@@ -27,6 +27,7 @@ class GenerateSpec:
     top_logprobs_num: int
     logprob_start_len: int
     return_text_in_logprobs: bool
+    stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,14 @@ def parse_generate(
         "logprob_start_len": -1 if start is None else int(start),
         "return_text_in_logprobs": bool(body.get("return_text_in_logprobs") or False),
     }
+    stream = bool(body.get("stream") or False)
     specs = []
     for ids, rid in zip(prompts, rids, strict=True):
         _check_prompt(ids, params, context_length, vocab_size)
         base = str(rid) if rid is not None else uuid.uuid4().hex
         for i in range(params.n):
-            specs.append(GenerateSpec(rid=base if params.n == 1 else f"{base}_{i}", input_ids=ids, **common))
-    stream = bool(body.get("stream") or False)
+            rid_i = base if params.n == 1 else f"{base}_{i}"
+            specs.append(GenerateSpec(rid=rid_i, input_ids=ids, stream=stream, **common))
     if stream and len(specs) > 1:
         raise InvalidRequest("streaming is supported for one generation per request")
     return GenerateCall(specs=specs, batched=batched or params.n > 1, stream=stream)

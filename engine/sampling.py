@@ -199,9 +199,18 @@ def sample(
             order, probs = _filter(probs, [params[i] for i in sampled])
         else:
             order = None
-        for j, row in enumerate(sampled):
-            pick = torch.multinomial(probs[j], 1, generator=generators[row])
-            tokens[row] = order[j, pick] if order is not None else pick
+        # Inverse-CDF sampling with one uniform per row from the row's own generator: seeded rows repeat
+        # whatever else is in the batch, and it is one vectorised search instead of B multinomial calls.
+        uniform = torch.cat(
+            [torch.rand(1, generator=generators[row], dtype=torch.float64) for row in sampled]
+        )
+        cdf = probs.double().cumsum(dim=-1)  # (S, V)
+        picks = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).clamp_(
+            max=cdf.shape[-1] - 1
+        )
+        if order is not None:
+            picks = order.gather(1, picks)
+        tokens[sampled] = picks.squeeze(1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top: list[list[tuple[float, int]] | None] = [None] * len(params)
     if any(top_logprobs_num):

@@ -61,6 +61,7 @@ class GenRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    stream: bool = False  # deltas after every step; otherwise one at the end
 
 
 @dataclass(eq=False)
@@ -368,12 +369,17 @@ class Scheduler:
     def _flush(self) -> None:
         """Post every pending delta, one callback per event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Delta], Delta]]] = {}
+        deferred = []
         for seq in self._dirty:
-            if seq.pending is not None:
-                seq.pending.weight_version = self.weight_version
-                by_loop.setdefault(seq.req.loop, []).append((seq.req.queue, seq.pending))
-                seq.pending = None
-        self._dirty.clear()
+            if seq.pending is None:
+                continue
+            if not (seq.req.stream or seq.pending.finish):  # a plain request hears only its end
+                deferred.append(seq)
+                continue
+            seq.pending.weight_version = self.weight_version
+            by_loop.setdefault(seq.req.loop, []).append((seq.req.queue, seq.pending))
+            seq.pending = None
+        self._dirty = deferred
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)

@@ -72,6 +72,7 @@ class Engine:
             return_logprob=spec.return_logprob,
             top_logprobs_num=spec.top_logprobs_num,
             logprob_start_len=spec.logprob_start_len,
+            stream=spec.stream,
         )
         result = Result(spec, self.tokenizer)
         self.scheduler.submit(req)

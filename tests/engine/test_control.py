@@ -56,11 +56,14 @@ async def wait_busy(http: httpx.AsyncClient, busy: bool = True, timeout: float =
         await asyncio.sleep(0.02)
 
 
-async def read_stream(http: httpx.AsyncClient, body: dict[str, Any], into: list[Any]) -> None:
+async def read_stream(
+    http: httpx.AsyncClient, body: dict[str, Any], into: list[Any], first: asyncio.Event
+) -> None:
     async with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 into.append(json.loads(line[6:]))
+                first.set()
 
 
 async def test_pause_abort_returns_partials_and_new_requests_wait(http: httpx.AsyncClient) -> None:
@@ -87,46 +90,66 @@ async def test_pause_retract_waits_then_finishes_with_new_weights(
     http: httpx.AsyncClient, tiny_model_dir: Path, other_weights: Path
 ) -> None:
     chunks: list[Any] = []
-    body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}}
-    reader = asyncio.create_task(read_stream(http, body, chunks))
-    while not chunks:
-        await asyncio.sleep(0.01)
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True},
+    }
+    started = asyncio.Event()
+    reader = asyncio.create_task(read_stream(http, body, chunks, started))
+    await asyncio.wait_for(started.wait(), 10)
     await http.post("/pause_generation", json={"mode": "retract"})
     await asyncio.sleep(0.05)
     seen = len(chunks)
     await asyncio.sleep(0.4)
     assert len(chunks) == seen and not reader.done()  # no progress while paused
-    r = await http.post("/update_weights_from_disk", json={"model_path": str(other_weights), "weight_version": "r1"})
+    r = await http.post(
+        "/update_weights_from_disk", json={"model_path": str(other_weights), "weight_version": "r1"}
+    )
     assert r.json()["success"] is True and r.json()["num_paused_requests"] == 1
     await http.post("/continue_generation", json={})
     await asyncio.wait_for(reader, 30)
     final = chunks[-1]
     assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
     assert len(final["output_ids"]) == 400 and final["meta_info"]["weight_version"] == "r1"
-    r = await http.post("/update_weights_from_disk", json={"model_path": str(tiny_model_dir), "weight_version": "default"})
+    r = await http.post(
+        "/update_weights_from_disk", json={"model_path": str(tiny_model_dir), "weight_version": "default"}
+    )
     assert r.json()["success"] is True
 
 
-async def test_update_weights_from_disk(http: httpx.AsyncClient, tiny_model_dir: Path, other_weights: Path) -> None:
+async def test_update_weights_from_disk(
+    http: httpx.AsyncClient, tiny_model_dir: Path, other_weights: Path
+) -> None:
     greedy = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     before = await generate(http, greedy)
     in_flight = asyncio.create_task(generate(http, {**greedy, "max_new_tokens": 200}))
     await wait_busy(http)
-    r = await http.post("/update_weights_from_disk", json={"model_path": str(other_weights), "weight_version": "7"})
+    r = await http.post(
+        "/update_weights_from_disk", json={"model_path": str(other_weights), "weight_version": "7"}
+    )
     assert r.status_code == 200 and r.json()["success"] is True
     old = await in_flight  # it was allowed to finish on the old weights first
     assert old["meta_info"]["weight_version"] == "default" and len(old["output_ids"]) == 200
     info = (await http.get("/model_info")).json()
-    assert info["weight_version"] == "7" and info["model_path"] == str(other_weights) and info["is_generation"] is True
+    assert (
+        info["weight_version"] == "7"
+        and info["model_path"] == str(other_weights)
+        and info["is_generation"] is True
+    )
     after = await generate(http, greedy)
     assert after["output_ids"] != before["output_ids"] and after["meta_info"]["weight_version"] == "7"
 
-    r = await http.post("/update_weights_from_disk", json={"model_path": str(other_weights / "missing"), "weight_version": "8"})
+    r = await http.post(
+        "/update_weights_from_disk",
+        json={"model_path": str(other_weights / "missing"), "weight_version": "8"},
+    )
     assert r.status_code == 400 and r.json()["success"] is False
     assert (await http.get("/get_model_info")).json()["weight_version"] == "7"
     assert (await generate(http, greedy))["output_ids"] == after["output_ids"]  # old weights keep serving
 
-    r = await http.post("/update_weights_from_disk", json={"model_path": str(tiny_model_dir), "weight_version": "default"})
+    r = await http.post(
+        "/update_weights_from_disk", json={"model_path": str(tiny_model_dir), "weight_version": "default"}
+    )
     assert r.json()["success"] is True
     assert (await generate(http, greedy))["output_ids"] == before["output_ids"]
 
@@ -145,14 +168,18 @@ async def test_abort_request_matches_rid_prefix(http: httpx.AsyncClient) -> None
 
 async def test_client_disconnect_aborts(http: httpx.AsyncClient, live_engine: LiveServer) -> None:
     async with httpx.AsyncClient(base_url=live_engine.url, timeout=60) as gone:
-        async with gone.stream("POST", "/generate", json={"input_ids": PROMPT, "sampling_params": LONG, "stream": True}) as r:
+        async with gone.stream(
+            "POST", "/generate", json={"input_ids": PROMPT, "sampling_params": LONG, "stream": True}
+        ) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     break
     await wait_busy(http, busy=False)
 
     async with httpx.AsyncClient(base_url=live_engine.url, timeout=60) as gone:
-        task = asyncio.create_task(gone.post("/generate", json={"input_ids": PROMPT, "sampling_params": LONG}))
+        task = asyncio.create_task(
+            gone.post("/generate", json={"input_ids": PROMPT, "sampling_params": LONG})
+        )
         await wait_busy(http)
         task.cancel()
     await wait_busy(http, busy=False)

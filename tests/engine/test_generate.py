@@ -54,7 +54,12 @@ async def test_logprobs_match_a_full_forward_pass(
 ) -> None:
     prompt = prompt_ids[1]
     out = await generate(
-        client, prompt, temperature=temperature, max_new_tokens=24, ignore_eos=True, extra={"return_logprob": True}
+        client,
+        prompt,
+        temperature=temperature,
+        max_new_tokens=24,
+        ignore_eos=True,
+        extra={"return_logprob": True},
     )
     meta = out["meta_info"]
     assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
@@ -85,7 +90,9 @@ async def test_sampling_seed_repeats(client: httpx.AsyncClient, prompt_ids: list
     assert first["output_ids"] != other["output_ids"]
 
 
-async def test_batched_greedy_equals_unbatched(client: httpx.AsyncClient, prompt_ids: list[list[int]]) -> None:
+async def test_batched_greedy_equals_unbatched(
+    client: httpx.AsyncClient, prompt_ids: list[list[int]]
+) -> None:
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     alone = [(await generate(client, p, **params))["output_ids"] for p in prompt_ids]
 
@@ -101,19 +108,35 @@ async def test_batched_greedy_equals_unbatched(client: httpx.AsyncClient, prompt
 async def test_list_of_prompts_and_n(client: httpx.AsyncClient, prompt_ids: list[list[int]]) -> None:
     r = await client.post(
         "/generate",
-        json={"input_ids": prompt_ids[:2], "rid": ["a", "b"], "sampling_params": {"temperature": 0, "max_new_tokens": 4}},
+        json={
+            "input_ids": prompt_ids[:2],
+            "rid": ["a", "b"],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+        },
     )
     body = r.json()
     assert [b["meta_info"]["id"] for b in body] == ["a", "b"]
-    r = await client.post("/generate", json={"input_ids": prompt_ids[0], "rid": "c", "sampling_params": {"n": 3, "max_new_tokens": 4}})
+    r = await client.post(
+        "/generate",
+        json={"input_ids": prompt_ids[0], "rid": "c", "sampling_params": {"n": 3, "max_new_tokens": 4}},
+    )
     assert [b["meta_info"]["id"] for b in r.json()] == ["c_0", "c_1", "c_2"]
 
 
-async def test_stop_token_ids_and_stop_strings(client: httpx.AsyncClient, prompt_ids: list[list[int]]) -> None:
+async def test_stop_token_ids_and_stop_strings(
+    client: httpx.AsyncClient, prompt_ids: list[list[int]]
+) -> None:
     free = await generate(client, prompt_ids[3], temperature=0, max_new_tokens=8, ignore_eos=True)
     stop_id = free["output_ids"][2]
     first = free["output_ids"].index(stop_id)
-    out = await generate(client, prompt_ids[3], temperature=0, max_new_tokens=8, stop_token_ids=[stop_id], extra={"return_logprob": True})
+    out = await generate(
+        client,
+        prompt_ids[3],
+        temperature=0,
+        max_new_tokens=8,
+        stop_token_ids=[stop_id],
+        extra={"return_logprob": True},
+    )
     assert out["output_ids"] == free["output_ids"][: first + 1]  # the stop token is kept in ids and logprobs
     assert len(out["meta_info"]["output_token_logprobs"]) == first + 1
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
@@ -125,7 +148,9 @@ async def test_stop_token_ids_and_stop_strings(client: httpx.AsyncClient, prompt
     assert stop not in cut["text"] and text.startswith(cut["text"])
 
 
-async def test_input_logprobs(client: httpx.AsyncClient, hf_model: PreTrainedModel, prompt_ids: list[list[int]]) -> None:
+async def test_input_logprobs(
+    client: httpx.AsyncClient, hf_model: PreTrainedModel, prompt_ids: list[list[int]]
+) -> None:
     prompt = prompt_ids[1]
     extra = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
     out = await generate(client, prompt, temperature=0, max_new_tokens=1, extra=extra)
@@ -160,7 +185,11 @@ async def stream_chunks(client: httpx.AsyncClient, body: dict[str, Any]) -> list
 
 
 async def test_streaming_cumulative(client: httpx.AsyncClient, prompt_ids: list[list[int]]) -> None:
-    body = {"input_ids": prompt_ids[0], "return_logprob": True, "sampling_params": {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}}
+    body = {
+        "input_ids": prompt_ids[0],
+        "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True},
+    }
     chunks = await stream_chunks(client, body)
     final = await generate(client, prompt_ids[0], **body["sampling_params"], extra={"return_logprob": True})
     assert chunks[-1] == "[DONE]" and len(chunks) >= 3
@@ -173,7 +202,9 @@ async def test_streaming_cumulative(client: httpx.AsyncClient, prompt_ids: list[
     assert len(events[-1]["meta_info"]["output_token_logprobs"]) == 10
 
 
-async def test_streaming_incremental(tiny_model_dir: Path, client: httpx.AsyncClient, prompt_ids: list[list[int]]) -> None:
+async def test_streaming_incremental(
+    tiny_model_dir: Path, client: httpx.AsyncClient, prompt_ids: list[list[int]]
+) -> None:
     from engine.server import create_app
 
     app = create_app(tiny_model_dir, incremental_streaming_output=True)

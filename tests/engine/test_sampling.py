@@ -13,12 +13,16 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
 
 
 def test_logprobs_are_log_softmax_over_t_before_filtering() -> None:
-    params = SamplingParams(temperature=0.5, top_k=1)  # top-k 1 forces token 0 but must not change its logprob
+    params = SamplingParams(
+        temperature=0.5, top_k=1
+    )  # top-k 1 forces token 0 but must not change its logprob
     out = sample(LOGITS, [params], [params.make_generator()], [2])
     assert out.tokens == [0]
     expected = torch.log_softmax(LOGITS[0] / 0.5, dim=-1)  # [-0.1455, -2.1455, -4.1455, -6.1455]
     assert out.logprobs[0] == pytest.approx(expected[0].item(), abs=1e-6)
-    assert out.logprobs[0] == pytest.approx(-math.log(1 + math.exp(-2) + math.exp(-4) + math.exp(-6)), abs=1e-6)
+    assert out.logprobs[0] == pytest.approx(
+        -math.log(1 + math.exp(-2) + math.exp(-4) + math.exp(-6)), abs=1e-6
+    )
     assert [t for _, t in out.top[0] or []] == [0, 1]
 
 
@@ -65,6 +69,12 @@ def test_parameter_parsing() -> None:
     assert p.temperature == 1.0 and p.stop == ("x",) and p.max_new_tokens == 5
     with pytest.raises(UnknownSamplingKey, match="bogus"):
         SamplingParams.from_request({"bogus": 1})
-    for bad in [{"temperature": -1}, {"top_p": 0}, {"top_k": 0}, {"max_new_tokens": -1}, {"json_schema": "{}"}]:
+    for bad in [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_k": 0},
+        {"max_new_tokens": -1},
+        {"json_schema": "{}"},
+    ]:
         with pytest.raises(InvalidRequest):
             SamplingParams.from_request(bad)
