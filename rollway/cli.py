@@ -52,13 +52,31 @@ def _rollout(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     if any(a in ("-h", "--help") for a in args.args):
-        from trainer.config import config_help
-
-        print(TRAIN_USAGE + "\n" + config_help())
+        print(TRAIN_USAGE + "\n\noptions:\n" + _config_help())
         return 0
     from trainer.launch import main as train_main
 
     return train_main(args.args)
+
+
+def _config_help() -> str:
+    """Each TrainConfig field with its default and the docstring under it (read from the source)."""
+    import ast
+    import inspect
+
+    from trainer.config import TrainConfig
+
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    lines: list[str] = []
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, [*body[1:], None], strict=True):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            default = ast.unparse(node.value) if node.value is not None else "required"
+            doc = ""
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                doc = " ".join(nxt.value.value.split())
+            lines.append(f"  --{node.target.id.replace('_', '-'):<28} (default {default}) {doc}")
+    return "\n".join(lines)
 
 
 TRAIN_USAGE = """usage: rollway train --gateway URL --model DIR --out DIR [--nproc N] [--config FILE] [--OPTION VALUE ...]
@@ -150,8 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Like parse_args, except that `train` takes every option after it (the trainer validates them)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        args.args = extra + list(args.args)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -53,7 +53,7 @@ def _sft(out: Path, model: Path, tasks: list[dict[str, Any]], seed: int) -> Path
                                              {"role": "assistant", "content": t["answer"]}]}) + "\n")
     rc = train_main(["--mode", "sft", "--model", str(model), "--out", str(out / "sft"), "--sft-data", str(data),
                      "--steps", str(SFT_STEPS), "--lr", str(SFT_LR), "--seed", str(seed), "--nproc", "1",
-                     "--sft-batch-sequences", "32", "--checkpoint-every", "0"])
+                     "--sft-batch-sequences", "32"])
     if rc != 0:
         raise SystemExit(f"SFT warm-up failed (exit {rc}); see {out / 'sft'}")
     return out / "sft" / "weights" / "sft-final"

@@ -33,8 +33,13 @@ NO_HEALTHCHECK = {
     "migrate": "one-shot `rollway db upgrade`: runs to completion, then exits",
     "init-model": "one-shot `rollway init-model` (CPU override): writes the tiny model, then exits",
 }
-SUBCOMMAND = {"migrate": "db", "gateway": "serve", "trainer": "train", "runner": "rollout",
-              "init-model": "init-model"}
+SUBCOMMAND = {
+    "migrate": "db",
+    "gateway": "serve",
+    "trainer": "train",
+    "runner": "rollout",
+    "init-model": "init-model",
+}
 
 
 # ---------------------------------------------------------------- reading compose files as compose does
@@ -71,8 +76,10 @@ def _tag(cls: type[Tagged]) -> Any:
 ComposeLoader.add_constructor("!reset", _tag(Reset))
 ComposeLoader.add_constructor("!override", _tag(Override))
 
-VAR = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<name>[A-Za-z_]\w*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
-                 r"|(?P<bare>[A-Za-z_]\w*))")
+VAR = re.compile(
+    r"\$(?:(?P<escaped>\$)|\{(?P<name>[A-Za-z_]\w*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
+    r"|(?P<bare>[A-Za-z_]\w*))"
+)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -231,7 +238,9 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def under(path: str, target: str) -> bool:
-    return PurePosixPath(path) == PurePosixPath(target) or PurePosixPath(target) in PurePosixPath(path).parents
+    return (
+        PurePosixPath(path) == PurePosixPath(target) or PurePosixPath(target) in PurePosixPath(path).parents
+    )
 
 
 def covering_mount(svc: dict[str, Any], path: str) -> dict[str, Any]:
@@ -277,7 +286,7 @@ def test_build_contexts_and_dockerfiles_exist(config: tuple[str, dict[str, Any]]
         context = ROOT / build["context"]
         assert context.is_dir(), context
         assert (context / build["dockerfile"]).is_file(), build["dockerfile"]
-        assert set(build.get("args", {})) <= {"TORCH", "TORCH_VERSION", "EXTRAS", "UID"}
+        assert set(build.get("args", {})) <= {"TORCH", "TORCH_VERSION", "EXTRAS", "USER_UID"}
         assert build["args"]["TORCH"] in ("cpu", "cuda")
 
 
@@ -293,8 +302,18 @@ def test_dockerfile() -> None:
     # What the image needs must survive docker/Dockerfile.dockerignore.
     ignore = ROOT / "docker" / "Dockerfile.dockerignore"
     patterns = [p.strip() for p in ignore.read_text().splitlines() if p.strip() and not p.startswith("#")]
-    needed = ["pyproject.toml", "README.md", "rollway", "gateway", "engine", "trainer", "migrations",
-              "agents", "agents/arithmetic.py", "agents/tasks/arithmetic.jsonl"]
+    needed = [
+        "pyproject.toml",
+        "README.md",
+        "rollway",
+        "gateway",
+        "engine",
+        "trainer",
+        "migrations",
+        "agents",
+        "agents/arithmetic.py",
+        "agents/tasks/arithmetic.jsonl",
+    ]
     for path in needed:
         assert (ROOT / path).exists(), path
         assert not any(fnmatch(path, p) or fnmatch(path, p + "/*") for p in patterns), f"{path} is ignored"
@@ -308,7 +327,9 @@ def test_every_service_has_a_healthcheck_or_an_exemption(config: tuple[str, dict
             assert svc.get("restart") == "no", f"{name}: exempt {svc_name} must be one-shot"
             continue
         check = svc.get("healthcheck")
-        assert check and check.get("test") and not check.get("disable"), f"{name}: {svc_name} has no healthcheck"
+        assert check and check.get("test") and not check.get("disable"), (
+            f"{name}: {svc_name} has no healthcheck"
+        )
         assert check["test"][0] in ("CMD", "CMD-SHELL"), check["test"]
 
 
@@ -325,7 +346,9 @@ def test_healthchecks_probe_the_ports_served(config: tuple[str, dict[str, Any]])
 def test_named_volumes_are_declared_and_used(config: tuple[str, dict[str, Any]]) -> None:
     name, doc = config
     declared = set(doc.get("volumes") or {})
-    used = {m["source"] for s in doc["services"].values() for m in map(mount, s.get("volumes", [])) if m["named"]}
+    used = {
+        m["source"] for s in doc["services"].values() for m in map(mount, s.get("volumes", [])) if m["named"]
+    }
     assert used <= declared, f"{name}: undeclared volumes {used - declared}"
     assert declared <= used, f"{name}: declared but unused volumes {declared - used}"
     assert "pgdata" in {mount(v)["source"] for v in doc["services"]["postgres"]["volumes"]}
@@ -365,8 +388,11 @@ def test_depends_on_conditions(config: tuple[str, dict[str, Any]]) -> None:
         return {k: v["condition"] for k, v in svcs[svc].get("depends_on", {}).items()}
 
     assert deps("migrate") == {"postgres": "service_healthy"}
-    assert deps("gateway") == {"postgres": "service_healthy", "sglang": "service_healthy",
-                               "migrate": "service_completed_successfully"}
+    assert deps("gateway") == {
+        "postgres": "service_healthy",
+        "sglang": "service_healthy",
+        "migrate": "service_completed_successfully",
+    }
     assert deps("trainer") == {"gateway": "service_healthy"}
     assert deps("runner") == {"gateway": "service_healthy"}
     if name == "cpu":
@@ -384,7 +410,15 @@ def test_one_shot_services_are_awaited_to_completion(config: tuple[str, dict[str
     for one_shot in set(NO_HEALTHCHECK) & set(svcs):
         waiters = [s for s in svcs.values() if s.get("depends_on", {}).get(one_shot)]
         assert waiters, f"nothing waits for {one_shot}"
-        assert all(s["depends_on"][one_shot]["condition"] == "service_completed_successfully" for s in waiters)
+        assert all(
+            s["depends_on"][one_shot]["condition"] == "service_completed_successfully" for s in waiters
+        )
+
+
+def parse_cli(argv: list[str]) -> Any:
+    from rollway.cli import parse_args
+
+    return parse_args(argv)
 
 
 def test_rollway_commands_parse_with_the_cli(config: tuple[str, dict[str, Any]], parser: Any) -> None:
@@ -395,7 +429,7 @@ def test_rollway_commands_parse_with_the_cli(config: tuple[str, dict[str, Any]],
         if argv is None:
             continue
         try:
-            args = parser.parse_args(argv)
+            args = parse_cli(argv)  # exactly as `rollway` parses (train forwards its options)
         except SystemExit as e:
             pytest.fail(f"{name}: {svc_name}: `rollway {shlex.join(argv)}` does not parse (exit {e.code})")
         seen.add(svc_name)
@@ -470,7 +504,10 @@ def test_model_is_mounted_read_only_at_one_path(config: tuple[str, dict[str, Any
         out = flag(argv_of(init), "--out")
         written = covering_mount(init, out)
         assert out == users["sglang"] and not written["read_only"]
-        assert (written["source"], written["target"]) == (mounts["sglang"]["source"], mounts["sglang"]["target"])
+        assert (written["source"], written["target"]) == (
+            mounts["sglang"]["source"],
+            mounts["sglang"]["target"],
+        )
         assert written["named"]
 
 
@@ -496,7 +533,9 @@ def test_gpu_reservations(config: tuple[str, dict[str, Any]]) -> None:
     if name == "gpu":
         assert doc["services"]["trainer"]["build"]["args"]["TORCH"] == "cuda"
     else:
-        assert all(s.get("build", {}).get("args", {}).get("TORCH", "cpu") == "cpu" for s in doc["services"].values())
+        assert all(
+            s.get("build", {}).get("args", {}).get("TORCH", "cpu") == "cpu" for s in doc["services"].values()
+        )
 
 
 # ---------------------------------------------------------------- the real client, where there is one
@@ -519,15 +558,18 @@ def test_docker_compose_config(tmp_path: Path) -> None:
         pytest.skip("no docker compose v2 client here")
     cli, version = found
     env_file = tmp_path / "test.env"
-    base_env = {k: v for k, v in os.environ.items() if k not in env_example() and not k.startswith("COMPOSE_")}
+    base_env = {
+        k: v for k, v in os.environ.items() if k not in env_example() and not k.startswith("COMPOSE_")
+    }
 
     def run_config(files: list[Path], values: dict[str, str]) -> subprocess.CompletedProcess[str]:
         env_file.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
         cmd = [*cli, "--env-file", str(env_file)]
         for f in files:
             cmd += ["-f", str(f)]
-        return subprocess.run([*cmd, "config", "-q"], cwd=ROOT, env=base_env, capture_output=True, text=True,
-                              timeout=120)
+        return subprocess.run(
+            [*cmd, "config", "-q"], cwd=ROOT, env=base_env, capture_output=True, text=True, timeout=120
+        )
 
     r = run_config([BASE], stack_env())
     assert r.returncode == 0, r.stderr

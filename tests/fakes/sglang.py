@@ -281,7 +281,7 @@ class FakeSGLang:
             payload,
             since=sent if self.incremental else 0,
             lp_from=sent if self.incremental_logprobs else 0,
-            weight_version=self.weight_version,
+            weight_version=gen.version_at_abort or self.weight_version,
             text=not self.skip_tokenizer_init,
         )
 
@@ -297,6 +297,7 @@ class FakeSGLang:
         for gen in list(self._gens.values()):
             if abort_all or (prefix and gen.rid.startswith(prefix)):
                 gen.abort_message = message if gen.started else "Abort in waiting queue"
+                gen.version_at_abort = self.weight_version
 
     async def _abort_request(self, request: Request) -> Response:
         body = await self._json(request)

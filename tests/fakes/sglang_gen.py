@@ -44,6 +44,8 @@ class Generation:
     top: list[list[list[Any]]] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     abort_message: str | None = None
+    version_at_abort: str | None = None
+    """A real server answers an abort at once, before any weight update that follows it."""
     started: bool = False
     t0: float = field(default_factory=time.monotonic)
 

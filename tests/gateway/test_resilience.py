@@ -48,8 +48,12 @@ def test_publish_mid_reply_keeps_partial_tokens(gw: LiveGateway, slow_fake: Fake
         else:
             result["finish"] = client.chat.completions.create(model="m", messages=msgs, max_tokens=40).choices[0].finish_reason
 
+    before = len(slow_fake.requests)
     t = threading.Thread(target=agent)
     t.start()
+    deadline = time.monotonic() + 10
+    while (len(slow_fake.requests) == before or not slow_fake.running) and time.monotonic() < deadline:
+        time.sleep(0.01)
     time.sleep(0.3)  # ~15 tokens in
     version = gw.admin.get("/v1/weights").json()["version"] + 1
     r = gw.admin.post("/v1/weights", json={"version": version, "model_path": str(tmp_path)})
