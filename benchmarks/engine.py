@@ -98,7 +98,7 @@ async def bench_size(size: str, threads: int, tokens: int, workdir: Path) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "100m"], choices=["tiny", "100m"])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))  # `engine` must be the package, not this file

@@ -31,8 +31,8 @@ class Publisher:
         self.metrics = metrics
         self._lock = asyncio.Lock()
 
-    async def publish(self, version: int, model_path: str, batch_id: str | None, results: dict[str, str]) -> dict[str, Any]:
-        await self.leases.check_publishable(version, batch_id)
+    async def publish(self, version: int, model_path: str, batch_ids: list[str], results: dict[str, str]) -> dict[str, Any]:
+        await self.leases.check_publishable(version, batch_ids)
         async with self._lock:
             t0 = time.perf_counter()
             backends = [b for b in self.pool.backends() if b.healthy]
@@ -47,7 +47,7 @@ class Publisher:
             for bid in failed:
                 self.pool.mark_failed(self.pool.get(bid), f"weight load failed: {failed[bid]}")
                 log.error("backend %s failed to load version %d: %s", bid, version, failed[bid])
-            await self.leases.publish(version, model_path, batch_id, results, failed)
+            await self.leases.publish(version, model_path, batch_ids, results, failed)
             seconds = time.perf_counter() - t0
         self.metrics.publish_seconds.observe(seconds)
         self.metrics.weight_version.set(version)

@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpx2", "httpcore", "openai"):  # one line per request is not a log
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return int(args.fn(args) or 0)
     except KeyboardInterrupt:

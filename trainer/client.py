@@ -219,10 +219,12 @@ class GatewayClient:
         d = self._request("GET", "/v1/weights").json()
         return int(d.get("version", 0)), d.get("model_path") or None
 
-    def publish(self, version: int, model_path: str, batch_id: str | None, results: dict[str, str]) -> int:
-        """`POST /v1/weights`: the gateway loads the weights and acks the batch in one transaction.
+    def publish(self, version: int, model_path: str, batch_ids: list[str] | str | None,
+                results: dict[str, str]) -> int:
+        """`POST /v1/weights`: the gateway loads the weights and acks the batches in one transaction.
         Raises GatewayHTTPError with status 409 when `version` is not above the gateway's."""
-        body = {"version": version, "model_path": model_path, "batch_id": batch_id, "results": results}
+        ids = [batch_ids] if isinstance(batch_ids, str) else list(batch_ids or [])
+        body = {"version": version, "model_path": model_path, "batch_ids": ids, "results": results}
         return int(
             self._request("POST", "/v1/weights", json=body, timeout=max(self.timeout, 600.0))
             .json()

@@ -103,15 +103,12 @@ def commit(
     path: Path,
     durable: bool,
 ) -> dict[str, list[str]]:
-    """Publish `version`. If the step is durable, ack every held batch: all but one by `ack`, the last
-    inside the publish (one transaction with the version bump). Returns what is still held."""
+    """Publish `version`. If the step is durable, every held batch is acked inside the publish (one
+    transaction with the version bump). Returns what is still held."""
     if not durable or not held:
         client.publish(version, str(path), None, {})
         return held
-    *earlier, last = list(held)
-    for batch_id in earlier:
-        client.ack(batch_id, {g: "trained" for g in held[batch_id]})
-    client.publish(version, str(path), last, {g: "trained" for g in held[last]})
+    client.publish(version, str(path), list(held), {g: "trained" for ids in held.values() for g in ids})
     for batch_id in held:
         renewer.release(batch_id)
     return {}

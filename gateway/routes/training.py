@@ -41,6 +41,8 @@ class PublishBody(BaseModel):
     version: int = Field(ge=1)
     model_path: str = Field(min_length=1)
     batch_id: str | None = None
+    batch_ids: list[str] = Field(default_factory=list)
+    """Several leases trained in one step (refills after dynamic filtering): all acked with the publish."""
     results: dict[str, str] = Field(default_factory=dict)
 
 
@@ -84,7 +86,8 @@ async def ack(request: Request, batch_id: str) -> Response:
 async def publish(request: Request) -> Response:
     await admin(request)
     body = await read_body(request, PublishBody)
-    out = await request.app.state.publisher.publish(body.version, body.model_path, body.batch_id, body.results)
+    batch_ids = [*([body.batch_id] if body.batch_id else []), *body.batch_ids]
+    out = await request.app.state.publisher.publish(body.version, body.model_path, batch_ids, body.results)
     return json_response(out)
 
 

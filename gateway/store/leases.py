@@ -44,24 +44,32 @@ class Leases:
             row = (await conn.execute(select(W.c.version, W.c.model_path).order_by(W.c.version.desc()).limit(1))).first()
         return (int(row.version), row.model_path) if row else (0, None)
 
-    async def publish(self, version: int, model_path: str, batch_id: str | None, results: dict[str, str],
+    async def publish(self, version: int, model_path: str, batch_ids: list[str], results: dict[str, str],
                       failed: dict[str, str]) -> None:
-        """Bump the version and ack the batch in one transaction."""
+        """Bump the version and ack the batches in one transaction."""
         async with self.engine.begin() as conn:
             cur = (await conn.execute(select(func.max(W.c.version)))).scalar() or 0
             if version <= cur:
                 raise Conflict(f"version {version} is not newer than the current version {cur}", param="version")
-            await conn.execute(W.insert().values(version=version, model_path=model_path, batch_id=batch_id,
+            await conn.execute(W.insert().values(version=version, model_path=model_path,
+                                                 batch_id=",".join(batch_ids)[:64] or None,
                                                  published_at=time.time(), failed_backends=failed or None))
-            if batch_id:
-                await self._ack(conn, batch_id, results, version)
+            for batch_id in batch_ids:
+                mine = {g: r for g, r in results.items() if g in await self._groups_of(conn, batch_id)}
+                await self._ack(conn, batch_id, mine, version)
+            leftover = set(results) - {g for b in batch_ids for g in await self._groups_of(conn, b)}
+            if leftover:
+                raise Conflict(f"groups {sorted(leftover)[:3]} are in none of the published batches", param="results")
 
-    async def check_publishable(self, version: int, batch_id: str | None) -> None:
+    async def check_publishable(self, version: int, batch_ids: list[str]) -> None:
         cur, _ = await self.current_weights()
         if version <= cur:
             raise Conflict(f"version {version} is not newer than the current version {cur}", param="version")
-        if batch_id:
+        for batch_id in batch_ids:
             await self._live_batch(batch_id)
+
+    async def _groups_of(self, conn: Any, batch_id: str) -> set[str]:
+        return set((await conn.execute(select(G.c.id).where(G.c.batch_id == batch_id))).scalars())
 
     # --- leases ----------------------------------------------------------------------------------
 
@@ -152,17 +160,25 @@ class Leases:
         return expires
 
     async def ack(self, batch_id: str, results: dict[str, str]) -> None:
+        """Close groups with nothing to publish. Only the listed groups (all of them when none are
+        listed, as "filtered"); the batch closes once none of its groups is still leased."""
         async with self.engine.begin() as conn:
             await self._ack(conn, batch_id, results, None)
 
     async def _ack(self, conn: Any, batch_id: str, results: dict[str, str], version: int | None) -> None:
+        """`version` given (a publish): groups not listed are trained. Else only listed ones change."""
         await self._live_batch(batch_id, conn)
-        gids = (await conn.execute(select(G.c.id).where(G.c.batch_id == batch_id))).scalars().all()
-        unknown = set(results) - set(gids)
+        leased = set(
+            (await conn.execute(select(G.c.id).where(and_(G.c.batch_id == batch_id, G.c.state == "leased")))).scalars()
+        )
+        unknown = set(results) - leased
         if unknown:
-            raise Conflict(f"groups {sorted(unknown)[:3]} are not in batch {batch_id}", param="results")
-        for gid in gids:
-            outcome = results.get(gid, "trained")
+            raise Conflict(f"groups {sorted(unknown)[:3]} are not leased in batch {batch_id}", param="results")
+        if version is not None:
+            todo = {gid: results.get(gid, "trained") for gid in leased}
+        else:
+            todo = dict(results) if results else dict.fromkeys(leased, "filtered")
+        for gid, outcome in todo.items():
             if outcome == "filtered":
                 values: dict[str, Any] = {"state": "dropped", "drop_reason": "filtered"}
             elif outcome == "trained":
@@ -170,7 +186,8 @@ class Leases:
             else:
                 raise Conflict(f"result for {gid} must be 'trained' or 'filtered'", param="results")
             await conn.execute(update(G).where(G.c.id == gid).values(**values))
-        await conn.execute(update(B).where(B.c.id == batch_id).values(state="acked"))
+        if leased <= set(todo):
+            await conn.execute(update(B).where(B.c.id == batch_id).values(state="acked"))
 
     async def _live_batch(self, batch_id: str, conn: Any = None) -> None:
         q = select(B.c.state, B.c.expires_at).where(B.c.id == batch_id)

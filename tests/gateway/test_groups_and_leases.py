@@ -161,3 +161,24 @@ def test_publish_loads_backends_bumps_version_and_acks(gateway: LiveGateway, fak
     cred = gateway.group(2)["sessions"][0]
     play(gateway, cred)
     assert set(gateway.session(cred["session_id"])["turns"][0]["versions"]) == {v0 + 1}
+
+
+def test_partial_ack_then_publish_several_batches(gateway: LiveGateway, tmp_path: Any) -> None:
+    drain(gateway)
+    groups = [gateway.group(2) for _ in range(3)]
+    for g in groups:
+        for cred in g["sessions"]:
+            play(gateway, cred, 1.0)
+    first = lease(gateway, max_groups=2)
+    second = lease(gateway, max_groups=2)
+    g1, g2 = (x["group_id"] for x in first["groups"])
+    (g3,) = (x["group_id"] for x in second["groups"])
+    # Dynamic filtering acks one group of a live batch early; the batch stays leased for the rest.
+    assert gateway.admin.post(f"/v1/batches/{first['batch_id']}/ack", json={"results": {g1: "filtered"}}).status_code == 200
+    assert state(gateway, g1) == "dropped" and state(gateway, g2) == "leased"
+    v = gateway.admin.get("/v1/weights").json()["version"] + 1
+    r = gateway.admin.post("/v1/weights", json={"version": v, "model_path": str(tmp_path),
+                                                "batch_ids": [first["batch_id"], second["batch_id"]]})
+    assert r.status_code == 200, r.text
+    assert state(gateway, g2) == "trained" and state(gateway, g3) == "trained"
+    assert gateway.admin.post(f"/v1/batches/{second['batch_id']}/renew", json={}).status_code == 409

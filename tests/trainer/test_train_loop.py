@@ -58,14 +58,14 @@ def test_rl_loop_publishes_and_acks_after_checkpoint(
     finally:
         gw.close()
     # Step 1: lease b0 = [g0, g1]; g1's rewards are all equal -> acked "filtered" at once; refill b1 = [g2].
-    # Step 2: b2 = [g3, g4]. Each step durable (checkpoint_every = 1): b0 acked "trained" for g0, then
-    # publish v1 carries b1; publish v2 carries b2.
+    # Step 2: b2 = [g3, g4]. Each step durable (checkpoint_every = 1): publish v1 acks b0 and b1 in the
+    # same transaction as the version bump; publish v2 acks b2.
     acks = gw.calls_to("/v1/batches/b")
-    assert [a["results"] for a in acks if "results" in a] == [{"g1": "filtered"}, {"g0": "trained"}]
+    assert [a["results"] for a in acks if "results" in a] == [{"g1": "filtered"}]
     pubs = gw.calls_to("/v1/weights")
-    assert [(p["version"], p["batch_id"], p["results"]) for p in pubs] == [
-        (1, "b1", {"g2": "trained"}),
-        (2, "b2", {"g3": "trained", "g4": "trained"}),
+    assert [(p["version"], p["batch_ids"], p["results"]) for p in pubs] == [
+        (1, ["b0", "b1"], {"g0": "trained", "g2": "trained"}),
+        (2, ["b2"], {"g3": "trained", "g4": "trained"}),
     ]
     assert [b["trainer_version"] for b in gw.calls_to("/v1/batches") if "trainer_version" in b] == [0, 0, 1]
     # the published folder loads, holds moved weights, and carries the tokenizer
