@@ -1,7 +1,7 @@
 """The running batch's KV cache: rows right-aligned in one `DynamicCache`, left padding masked out.
 
-Requests are prefilled alone (their own cache, no padding, so a prefill equals a plain forward pass) and
-then merged into the batch by left-padding the shorter side. Every decode step appends one column for
+Newly admitted requests are prefilled together (left-padded, masked) and then merged into the running
+batch by left-padding the narrower side. Every decode step appends one column for
 all rows at once; rows leave with an index select, and padding columns no row needs any more are cut.
 This is how `generate` handles a left-padded batch, with rows that come and go between steps. The
 layers keep spare room along the sequence (`SlabLayer`), so a step writes one column instead of
@@ -11,7 +11,7 @@ copying the whole cache as `DynamicLayer`'s concatenation does.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 SPARE_COLUMNS = 64
@@ -41,7 +41,7 @@ class SlabLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = key_states.shape[-2]
         if self._len + n > self._k.shape[2]:
-            self._fill(self.keys, self.values)
+            self._fill(self._k[:, :, : self._len], self._v[:, :, : self._len])
         self._k[:, :, self._len : self._len + n] = key_states
         self._v[:, :, self._len : self._len + n] = value_states
         self._len += n
@@ -56,15 +56,19 @@ def _slab_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache
 
 
 def layers_of(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    out = []
+    for layer in cache.layers:
+        assert isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None
+        out.append((layer.keys, layer.values))
+    return out
 
 
 class DecodeBatch:
     """KV cache of the running rows. `lengths[i]` is how many real tokens row i has in the cache."""
 
-    def __init__(self) -> None:
-        self.cache: DynamicCache | None = None
-        self.lengths: list[int] = []
+    def __init__(self, cache: DynamicCache | None = None, lengths: list[int] | None = None) -> None:
+        self.cache = cache
+        self.lengths: list[int] = lengths or []
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -73,26 +77,28 @@ class DecodeBatch:
     def width(self) -> int:
         return 0 if self.cache is None else self.cache.get_seq_length()
 
-    def add(self, caches: list[DynamicCache]) -> None:
-        """Append rows (each a batch-of-one cache) below the existing ones."""
-        if not caches:
+    def extend(self, other: DecodeBatch) -> None:
+        """Append the rows of `other` below these, left-padding whichever side is narrower."""
+        if other.cache is None:
             return
-        parts = ([layers_of(self.cache)] if self.cache is not None else []) + [layers_of(c) for c in caches]
-        widths = [p[0][0].shape[-2] for p in parts]
-        width = max(widths)
-        merged = []
-        for layer in range(len(parts[0])):
-            keys = torch.cat([_pad_left(p[layer][0], width - w) for p, w in zip(parts, widths, strict=True)])
-            values = torch.cat(
-                [_pad_left(p[layer][1], width - w) for p, w in zip(parts, widths, strict=True)]
+        if self.cache is None:
+            self.cache, self.lengths = other.cache, list(other.lengths)
+            return
+        width = max(self.width, other.width)
+        pad_self, pad_other = width - self.width, width - other.width
+        merged = [
+            (
+                torch.cat([_pad_left(k1, pad_self), _pad_left(k2, pad_other)]),
+                torch.cat([_pad_left(v1, pad_self), _pad_left(v2, pad_other)]),
             )
-            merged.append((keys, values))
+            for (k1, v1), (k2, v2) in zip(layers_of(self.cache), layers_of(other.cache), strict=True)
+        ]
         self.cache = _slab_cache(merged)
-        self.lengths += [c.get_seq_length() for c in caches]
+        self.lengths += other.lengths
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in this order); cut the padding columns that every kept row has."""
-        if len(rows) == len(self.lengths):
+        if rows == list(range(len(self.lengths))):
             return
         if not rows or self.cache is None:
             self.cache, self.lengths = None, []
@@ -117,6 +123,31 @@ class DecodeBatch:
 
     def stepped(self) -> None:
         self.lengths = [n + 1 for n in self.lengths]
+
+
+def prefill(
+    model: PreTrainedModel, sequences: list[list[int]], *, all_logits: bool = False
+) -> tuple[DecodeBatch, torch.Tensor]:
+    """Forward left-padded `sequences` together; return them as a batch and their logits.
+
+    The logits are (B, V) at each row's last position, or (B, T, V) at every position with `all_logits`
+    (use that with one sequence: padded positions are not meaningful).
+    """
+    lengths = [len(s) for s in sequences]
+    width = max(lengths)
+    pads = torch.tensor([width - n for n in lengths]).unsqueeze(1)  # (B, 1)
+    columns = torch.arange(width).unsqueeze(0)  # (1, T)
+    cache = DynamicCache()
+    out = model(
+        input_ids=torch.tensor([[0] * (width - len(s)) + s for s in sequences]),  # (B, T)
+        attention_mask=(columns >= pads).long(),
+        position_ids=(columns - pads).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=0 if all_logits else 1,
+    )
+    logits = out.logits.float()
+    return DecodeBatch(_slab_cache(layers_of(cache)), lengths), logits if all_logits else logits[:, -1]
 
 
 def _pad_left(x: torch.Tensor, n: int) -> torch.Tensor:

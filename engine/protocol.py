@@ -46,21 +46,13 @@ def parse_generate(
     ids = body.get("input_ids")
     batched = _is_batch(ids) if ids is not None else isinstance(body.get("text"), list)
     params = SamplingParams.from_request(body.get("sampling_params"))
-    rids = body.get("rid")
-    if batched and not isinstance(rids, list):
-        rids = [None] * len(prompts)
-    if not batched:
-        rids = [rids]
+    rid = body.get("rid")
+    rids: list[Any] = (
+        rid if batched and isinstance(rid, list) else [None] * len(prompts) if batched else [rid]
+    )
     if len(rids) != len(prompts):
         raise InvalidRequest("rid must have one entry per prompt")
     start = body.get("logprob_start_len")
-    common = {
-        "params": params,
-        "return_logprob": bool(body.get("return_logprob") or False),
-        "top_logprobs_num": int(body.get("top_logprobs_num") or 0),
-        "logprob_start_len": -1 if start is None else int(start),
-        "return_text_in_logprobs": bool(body.get("return_text_in_logprobs") or False),
-    }
     stream = bool(body.get("stream") or False)
     specs = []
     for ids, rid in zip(prompts, rids, strict=True):
@@ -68,7 +60,17 @@ def parse_generate(
         base = str(rid) if rid is not None else uuid.uuid4().hex
         for i in range(params.n):
             rid_i = base if params.n == 1 else f"{base}_{i}"
-            specs.append(GenerateSpec(rid=rid_i, input_ids=ids, stream=stream, **common))
+            spec = GenerateSpec(
+                rid=rid_i,
+                input_ids=ids,
+                params=params,
+                return_logprob=bool(body.get("return_logprob") or False),
+                top_logprobs_num=int(body.get("top_logprobs_num") or 0),
+                logprob_start_len=-1 if start is None else int(start),
+                return_text_in_logprobs=bool(body.get("return_text_in_logprobs") or False),
+                stream=stream,
+            )
+            specs.append(spec)
     if stream and len(specs) > 1:
         raise InvalidRequest("streaming is supported for one generation per request")
     return GenerateCall(specs=specs, batched=batched or params.n > 1, stream=stream)
@@ -148,11 +150,12 @@ class Result:
         matched = self.finish.get("matched") if self.finish and self.finish["type"] == "stop" else None
         if isinstance(matched, int) and ids and ids[-1] == matched:
             ids = ids[:-1]
-        text: str = self.tokenizer.decode(
+        text = self.tokenizer.decode(
             ids,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
+        assert isinstance(text, str)
         if isinstance(matched, str) and not params.no_stop_trim and matched in text:
             text = text[: text.index(matched)]
         return text

@@ -1,7 +1,7 @@
 """Continuous batching: one thread owns the model and steps every running request together.
 
 Each loop iteration runs the control calls posted since the last one (submit, abort, pause, continue,
-weight swap), prefills newly admitted requests one at a time (their first token comes from the prefill),
+weight swap), prefills newly admitted requests together (their first token comes from the prefill),
 merges them into the running batch, takes one decode step for all rows, and hands each request its new
 tokens. Requests join and leave between steps; nothing else touches the model, so no locks are needed.
 Results go back to the asyncio side as `Delta`s through `loop.call_soon_threadsafe`.
@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.batch import DecodeBatch
+from engine.batch import DecodeBatch, prefill
 from engine.sampling import SamplingParams, adjust_logits, sample
 
 log = logging.getLogger(__name__)
 
+PREFILL_TOKEN_BUDGET = 4096  # padded tokens in one prefill forward
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
 
@@ -249,42 +250,53 @@ class Scheduler:
     def _admit(self) -> None:
         if self._pending_swap is not None:
             return
-        caches: list[DynamicCache] = []
         admitted: list[_Seq] = []
-        last_logits: list[torch.Tensor] = []
         while self._waiting and len(self._rows) + len(admitted) < self.max_batch_size:
             seq = self._waiting.popleft()
             if seq.req.params.max_new_tokens == 0:
-                self._prefill(seq)
+                if self._wants_input_logprobs(seq):
+                    self._prefill([seq])
                 self._finish(seq, {"type": "length", "length": 0})
                 continue
-            cache, logits = self._prefill(seq)
-            caches.append(cache)
             admitted.append(seq)
-            last_logits.append(logits)
-        if not admitted:
-            return
-        alive = self._take_step(admitted, torch.stack(last_logits))
-        self._batch.add([caches[i] for i in alive])
-        self._rows += [admitted[i] for i in alive]
+        for group in self._prefill_groups(admitted):
+            batch, logits = self._prefill(group)
+            alive = self._take_step(group, logits)
+            batch.keep(alive)
+            self._batch.extend(batch)
+            self._rows += [group[i] for i in alive]
 
-    def _prefill(self, seq: _Seq) -> tuple[DynamicCache, torch.Tensor]:
-        """Forward the whole sequence so far; return its cache and the logits at its last position."""
-        req = seq.req
-        ids = req.input_ids + seq.output_ids
-        want_input = req.return_logprob and req.logprob_start_len >= 0 and not seq.prefilled
-        cache = DynamicCache()
-        out = self.model(
-            input_ids=torch.tensor([ids]),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=0 if want_input else 1,
-        )
-        logits = out.logits[0].float()  # (T or 1, V)
+    def _wants_input_logprobs(self, seq: _Seq) -> bool:
+        return seq.req.return_logprob and seq.req.logprob_start_len >= 0 and not seq.prefilled
+
+    def _prefill_groups(self, seqs: list[_Seq]) -> list[list[_Seq]]:
+        """Pack prefills under a padded-token budget; one that wants prompt logprobs goes alone."""
+        groups: list[list[_Seq]] = []
+        current: list[_Seq] = []
+        width = 0
+        for seq in seqs:
+            n = len(seq.req.input_ids) + len(seq.output_ids)
+            if self._wants_input_logprobs(seq):
+                groups.append([seq])
+                continue
+            if current and max(width, n) * (len(current) + 1) > PREFILL_TOKEN_BUDGET:
+                groups.append(current)
+                current, width = [], 0
+            current.append(seq)
+            width = max(width, n)
+        return [*groups, current] if current else groups
+
+    def _prefill(self, group: list[_Seq]) -> tuple[DecodeBatch, torch.Tensor]:
+        """Forward each sequence so far; return the rows' cache and their last logits (B, V)."""
+        want_input = len(group) == 1 and self._wants_input_logprobs(group[0])
+        sequences = [s.req.input_ids + s.output_ids for s in group]
+        batch, logits = prefill(self.model, sequences, all_logits=want_input)
         if want_input:
-            self._input_logprobs(seq, logits)
-        seq.prefilled = True
-        return cache, logits[-1]
+            self._input_logprobs(group[0], logits[0])
+            logits = logits[:, -1]
+        for seq in group:
+            seq.prefilled = True
+        return batch, logits
 
     def _input_logprobs(self, seq: _Seq, logits: torch.Tensor) -> None:
         req = seq.req
@@ -315,7 +327,7 @@ class Scheduler:
         """Sample one token for each of `seqs` from `logits` (B, V); return the indices still running."""
         params = [s.req.params for s in seqs]
         banned = [
-            (self._stop_ids(s) if len(s.output_ids) < s.req.params.min_new_tokens else ()) for s in seqs
+            sorted(self._stop_ids(s)) if len(s.output_ids) < s.req.params.min_new_tokens else [] for s in seqs
         ]
         logits = adjust_logits(logits.float(), params, [s.output_ids for s in seqs], banned)
         top_n = [s.req.top_logprobs_num if s.req.return_logprob else 0 for s in seqs]

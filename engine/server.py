@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         model = load_model(self.model_path)
         self.context_length = context_length or int(model.config.get_text_config().max_position_embeddings)
-        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.vocab_size = int(model.config.get_text_config().vocab_size)
         self.max_batch_size = max_batch_size
         self.scheduler = Scheduler(
             model,
@@ -59,7 +59,7 @@ class Engine:
             context_length=self.context_length,
         )
 
-    async def generate(self, spec: GenerateSpec) -> AsyncIterator[Result]:
+    async def generate(self, spec: GenerateSpec) -> AsyncGenerator[Result, None]:
         """Yield the growing result after each batch of new tokens; abort the request if left early."""
         self.scheduler.start()
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -190,9 +190,11 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
         )
         if call.stream:
             return StreamingResponse(_sse(engine, call.specs[0]), media_type="text/event-stream")
-        work = asyncio.ensure_future(asyncio.gather(*(engine.collect(s) for s in call.specs)))
-        watch = asyncio.ensure_future(_until_disconnect(request))
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        work: asyncio.Future[list[Result]] = asyncio.ensure_future(
+            asyncio.gather(*(engine.collect(s) for s in call.specs))
+        )
+        watch: asyncio.Future[Any] = asyncio.ensure_future(_until_disconnect(request))
+        await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
         watch.cancel()
         if not work.done():  # client disconnected: cancelling aborts the requests
             work.cancel()
@@ -285,7 +287,7 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
         return Response(status_code=200 if scheduler.alive else 503)
 
 
-async def _sse(engine: Engine, spec: GenerateSpec) -> AsyncIterator[str]:
+async def _sse(engine: Engine, spec: GenerateSpec) -> AsyncGenerator[str, None]:
     async with aclosing(engine.generate(spec)) as stream:
         async for result in stream:
             if result.error is not None:
@@ -315,7 +317,8 @@ def serve(
         context_length=context_length,
         incremental_streaming_output=incremental_streaming_output,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    # In-flight generations get a few seconds, then are cancelled (which aborts them) so a signal never hangs.
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,6 +13,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -133,9 +134,9 @@ def _corpus(seed: int, n_lines: int = 12000) -> Iterator[str]:
             call = {"name": rng.choice(_NAMES), "arguments": _arguments(rng)}
             yield f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
         elif kind == 3:
-            a, b = rng.sample(["x", "y", "value", "item", "count", "total", "name", "result"], 2)
+            x, y = rng.sample(["x", "y", "value", "item", "count", "total", "name", "result"], 2)
             f = rng.choice(_NAMES)
-            yield rng.choice(_CODE).format(f=f, F=f.title().replace("_", ""), a=a, b=b, n=rng.randint(1, 99))
+            yield rng.choice(_CODE).format(f=f, F=f.title().replace("_", ""), a=x, b=y, n=rng.randint(1, 99))
         else:
             role = rng.choice(["system", "user", "assistant", "tool"])
             yield f"<|im_start|>{role}\n{_sentence(rng)}<|im_end|>\n"
@@ -188,29 +189,39 @@ def build_tokenizer(
 
 
 def _config(size: str, vocab_size: int, pad_id: int, eos_id: int) -> Qwen2Config:
-    if size == "tiny":  # ~3M parameters
-        dims = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4}
-        heads = {"num_attention_heads": 4, "num_key_value_heads": 2}
-    elif size == "100m":  # ~104M parameters, for benchmarks
-        dims = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12}
-        heads = {"num_attention_heads": 12, "num_key_value_heads": 4}
-    else:
-        raise ValueError(f"unknown size {size!r}: use 'tiny' or '100m'")
-    return Qwen2Config(
-        vocab_size=vocab_size,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
+    sizes: dict[str, dict[str, Any]] = {
+        "tiny": {  # ~3.4M parameters
+            "hidden_size": 256,
+            "intermediate_size": 704,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+        "100m": {  # ~104M parameters, for benchmarks
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+        },
+    }
+    if size not in sizes:
+        raise ValueError(f"unknown size {size!r}: use one of {', '.join(sizes)}")
+    kwargs: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
         # Above the usual 0.02: at 0.02 a random tiny model only repeats its last input token under greedy
         # decoding, which makes outputs (and the tests that compare them) degenerate.
-        initializer_range=0.05,
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        torch_dtype="float32",
-        **dims,
-        **heads,
-    )
+        "initializer_range": 0.05,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "torch_dtype": "float32",
+        **sizes[size],
+    }
+    return Qwen2Config(**kwargs)
 
 
 def create_tiny_model(out_dir: str | Path, *, seed: int = 0, size: str = "tiny") -> Path:
@@ -222,8 +233,7 @@ def create_tiny_model(out_dir: str | Path, *, seed: int = 0, size: str = "tiny")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    eos_id, pad_id = (int(tokenizer.get_vocab()[t]) for t in (EOS_TOKEN, PAD_TOKEN))
     config = _config(size, len(tokenizer), pad_id, eos_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -68,6 +68,17 @@ async def detect_context_length(pool: BackendPool, settings: Settings) -> int:
     return config_context_length(settings.tokenizer) or settings.context_length or 4096
 
 
+async def registered_backends(store: Store) -> list[str]:
+    """Backends added at run time (POST /v1/backends), kept in the store for every gateway process."""
+    from sqlalchemy import select
+
+    from gateway.store.models import BackendRow
+
+    async with store.engine.connect() as conn:
+        rows = await conn.execute(select(BackendRow.url).where(BackendRow.enabled.is_(True)))
+        return [str(u) for u in rows.scalars()]
+
+
 def served_name(settings: Settings) -> str:
     return settings.served_model_name or Path(settings.tokenizer.rstrip("/")).name or "rollway"
 
@@ -90,7 +101,7 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
         pool = BackendPool(http, health_interval=settings.health_interval_s, on_recover=on_recover,
                            client_options={"read_timeout": settings.backend_timeout_s})
         publisher = Publisher(pool, leases, metrics)
-        for url in settings.backends:
+        for url in [*settings.backends, *await registered_backends(store)]:
             pool.add(url)
         await publisher.sync_all()
         template = await asyncio.to_thread(load_template, settings)
@@ -123,12 +134,13 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
     app = FastAPI(title="rollway gateway", lifespan=lifespan)
     app.state.admin_key = admin_key
     _install_error_handlers(app)
-    from gateway.routes import groups, openai_api, responses, system, training
+    from gateway.routes import backends, groups, openai_api, responses, system, training
 
     app.include_router(openai_api.router)
     app.include_router(responses.router)
     app.include_router(groups.router)
     app.include_router(training.router)
+    app.include_router(backends.router)
     app.include_router(system.router)
     return app
 

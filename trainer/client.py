@@ -219,8 +219,9 @@ class GatewayClient:
         d = self._request("GET", "/v1/weights").json()
         return int(d.get("version", 0)), d.get("model_path") or None
 
-    def publish(self, version: int, model_path: str, batch_ids: list[str] | str | None,
-                results: dict[str, str]) -> int:
+    def publish(
+        self, version: int, model_path: str, batch_ids: list[str] | str | None, results: dict[str, str]
+    ) -> int:
         """`POST /v1/weights`: the gateway loads the weights and acks the batches in one transaction.
         Raises GatewayHTTPError with status 409 when `version` is not above the gateway's."""
         ids = [batch_ids] if isinstance(batch_ids, str) else list(batch_ids or [])
@@ -232,10 +233,11 @@ class GatewayClient:
         )
 
     # --- SFT export ---
-    def sessions(self, state: str = "finished", since: str | None = None, limit: int = 100) -> dict[str, Any]:
-        params: dict[str, Any] = {"state": state, "limit": limit}
-        if since:
-            params["since"] = since
+    def sessions(self, state: str = "finished", after: str | None = None, limit: int = 100) -> dict[str, Any]:
+        """`GET /v1/sessions?include_turns=true`: one page `{data: [session with turns], next_after}`."""
+        params: dict[str, Any] = {"state": state, "limit": limit, "include_turns": "true"}
+        if after:
+            params["after"] = after
         return dict(self._request("GET", "/v1/sessions", params=params).json())
 
 

@@ -1,8 +1,8 @@
 """Supervised fine-tuning on the same machinery (batching, FSDP2, checkpoints, HF export, metrics).
 
 Data: a JSONL file of chats (`{"messages": [...], "tools": [...]?}` per line), or recorded sessions from
-`GET /v1/sessions` (a session with `samples` trains on their exact token ids and loss mask; one with
-`messages` is rendered like a JSONL chat). The loss is the NLL of assistant tokens only.
+`GET /v1/sessions?include_turns=true` (their exact token ids; the model's completions are the loss
+tokens). The loss is the NLL of assistant tokens only.
 
 Assistant tokens of a chat are found by rendering prefixes: the tokens between "messages before turn i +
 generation prompt" and "messages up to turn i" are turn i's (the end-of-turn token included). A template
@@ -19,7 +19,7 @@ from typing import Any
 
 from trainer.batching import Row, plan_step
 from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.client import GatewayClient, parse_sample
+from trainer.client import GatewayClient
 from trainer.config import TrainConfig
 from trainer.fsdp import DistInfo, broadcast, load_sharded_model
 from trainer.metrics import MetricsSink
@@ -79,27 +79,42 @@ def rows_from_jsonl(path: str | Path, tokenizer: Any) -> list[Row]:
     return rows
 
 
+def session_rows(session: dict[str, Any]) -> list[Row]:
+    """One row per chain of a recorded session (design.md "Continuity"): the exact ids of its last turn,
+    prompt + completion, with loss_mask = 1 on the completion of every turn in the chain (a turn whose
+    client disconnected trains nothing). No retokenization: these are the ids the model produced."""
+    turns = {t["id"]: t for t in session.get("turns") or []}
+    parents = {t.get("parent_id") for t in turns.values()}
+    rows = []
+    for leaf in (t for t in turns.values() if t["id"] not in parents):
+        ids = list(leaf["prompt_ids"]) + list(leaf["completion_ids"])
+        mask = [0] * len(ids)
+        turn: dict[str, Any] | None = leaf
+        while turn is not None:
+            if not turn.get("client_disconnected"):
+                start = len(turn["prompt_ids"])
+                for k in range(start, start + len(turn["completion_ids"])):
+                    mask[k] = 1
+            turn = turns.get(turn.get("parent_id") or "")
+        n = len(ids)
+        rows.append(Row(ids, mask, [0.0] * n, [0.0] * n, [1.0] * n))
+    return rows
+
+
 def rows_from_sessions(
-    client: GatewayClient, tokenizer: Any, state: str, min_reward: float | None, page: int = 100
+    client: GatewayClient, state: str, min_reward: float | None, page: int = 100
 ) -> list[Row]:
-    """Every exported session (paginated by the `next` cursor), optionally only those rewarded >= min."""
+    """Every recorded session in `state` (paginated), optionally only those rewarded >= min_reward."""
     rows: list[Row] = []
-    cursor: str | None = None
+    after: str | None = None
     while True:
-        d = client.sessions(state=state, since=cursor, limit=page)
-        items = d.get("sessions", d.get("data", []))
-        for s in items:
+        d = client.sessions(state=state, after=after, limit=page)
+        for s in d.get("data", []):
             if min_reward is not None and (s.get("reward") is None or s["reward"] < min_reward):
                 continue
-            for sample in s.get("samples") or []:
-                sample = {"group_id": s.get("group_id", ""), "session_id": s.get("session_id", ""), **sample}
-                x = parse_sample(sample)
-                n = len(x.token_ids)
-                rows.append(Row(x.token_ids, [int(m) for m in x.loss_mask], [0.0] * n, [0.0] * n, [1.0] * n))
-            if not s.get("samples") and s.get("messages"):
-                rows.append(chat_row(tokenizer, s["messages"], s.get("tools")))
-        cursor = d.get("next") or d.get("next_cursor")
-        if not cursor or not items:
+            rows += session_rows(s)
+        after = d.get("next_after")
+        if not after:
             return rows
 
 
@@ -118,12 +133,11 @@ def run_sft(cfg: TrainConfig, info: DistInfo) -> None:
     # ---------------- data (rank 0 reads, every rank gets the rows)
     rows: list[Row] | None = None
     if info.is_main:
-        tokenizer = AutoTokenizer.from_pretrained(source)
         if cfg.sft_data:
-            rows = rows_from_jsonl(cfg.sft_data, tokenizer)
+            rows = rows_from_jsonl(cfg.sft_data, AutoTokenizer.from_pretrained(source))
         else:
             assert client is not None
-            rows = rows_from_sessions(client, tokenizer, cfg.sft_session_state, cfg.sft_min_reward)
+            rows = rows_from_sessions(client, cfg.sft_session_state, cfg.sft_min_reward)
         rows = [r for r in rows if r.n_loss_tokens > 0]
     rows = broadcast(rows)
     assert rows is not None

@@ -22,7 +22,9 @@ Where this departs from GRPO (Shao et al. 2024, DeepSeekMath):
 from __future__ import annotations
 
 import logging
+import signal
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -246,8 +248,6 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import sys
-
     args = list(sys.argv[1:] if argv is None else argv)
     config_file = None
     if "--config" in args:
@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
         del args[i : i + 2]
     cfg = load_config(config_file, parse_overrides(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # SIGTERM (torchrun forwards it; `rollway demo` stops the trainer with it) unwinds like Ctrl-C, so the
+    # metrics are flushed and the reward plot is written. Held leases simply expire back to the queue.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     info = init_distributed(cfg.dist_timeout)
     torch.manual_seed(cfg.seed)
     try:

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import Table, and_, func, select, update
 
 from gateway.errors import Conflict, NotFound
 from gateway.samples import session_sequences
 from gateway.store.models import Batch, Group, Session, Setting, WeightState
 from gateway.store.store import Store, new_id
 
-G, S, B = Group.__table__, Session.__table__, Batch.__table__
-W, KV = WeightState.__table__, Setting.__table__
+G = cast(Table, Group.__table__)
+S = cast(Table, Session.__table__)
+B = cast(Table, Batch.__table__)
+W = cast(Table, WeightState.__table__)
+KV = cast(Table, Setting.__table__)
 COUNTED = ("open", "complete", "leased", "trained")
 
 

@@ -10,15 +10,17 @@ import hashlib
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import Table, and_, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.store.models import Group, Session, Turn
 
-G, S, T = Group.__table__, Session.__table__, Turn.__table__
+G = cast(Table, Group.__table__)
+S = cast(Table, Session.__table__)
+T = cast(Table, Turn.__table__)
 
 
 def new_id(prefix: str) -> str:

@@ -70,3 +70,20 @@ def test_bad_jsonl_names_the_line(tiny_model: Path, tmp_path: Path) -> None:
     data.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"chat": []}) + "\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         rows_from_jsonl(data, AutoTokenizer.from_pretrained(tiny_model))
+
+
+def test_session_rows_follow_turn_chains() -> None:
+    from trainer.sft import session_rows
+
+    # t1: prompt [1, 2] -> completion [3, 4]; t2 extends t1: prompt [1, 2, 3, 4, 5] (bridge 5) -> [6];
+    # t3 starts a new chain: prompt [7] -> [8, 9], but its client disconnected (trains nothing).
+    # Leaves t2 and t3: rows [1, 2, 3, 4, 5, 6] with mask on t1's and t2's completions = [0, 0, 1, 1, 0, 1],
+    # and [7, 8, 9] with mask [0, 0, 0].
+    session = {"turns": [
+        {"id": "t1", "parent_id": None, "prompt_ids": [1, 2], "completion_ids": [3, 4]},
+        {"id": "t2", "parent_id": "t1", "prompt_ids": [1, 2, 3, 4, 5], "completion_ids": [6]},
+        {"id": "t3", "parent_id": None, "prompt_ids": [7], "completion_ids": [8, 9], "client_disconnected": True},
+    ]}  # fmt: skip
+    rows = session_rows(session)
+    assert [(r.token_ids, r.loss_mask) for r in rows] == [([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 0, 1]),
+                                                          ([7, 8, 9], [0, 0, 0])]  # fmt: skip

@@ -119,18 +119,23 @@ def test_checkpoint_every_k_holds_leases_until_durable(
             groups_per_step=1,
             checkpoint_every=2,
             lease_seconds=0.3,
+            kl_coef=0.05,  # loads the reference model too
+            loss_agg="seq_mean",
         )
     finally:
         gw.close()
-    # Step 1 is not durable: v1 is published with no batch, and b0 stays leased (renewed) until step 2.
+    # Step 1 is not durable: v1 is published with no batch, and b0 stays leased (renewed) until step 2,
+    # whose publish acks b0 and b1 together.
     pubs = gw.calls_to("/v1/weights")
-    assert [(p["version"], p["batch_id"], p["results"]) for p in pubs] == [
-        (1, None, {}),
-        (2, "b1", {"g1": "trained"}),
+    assert [(p["version"], p["batch_ids"], p["results"]) for p in pubs] == [
+        (1, [], {}),
+        (2, ["b0", "b1"], {"g0": "trained", "g1": "trained"}),
     ]
-    assert gw.calls_to("/v1/batches/b0/ack") == [{"results": {"g0": "trained"}}]
+    assert not gw.calls_to("/v1/batches/b0/ack")
     assert gw.calls_to("/v1/batches/b0/renew")  # renewed in the background while held
     assert not (tmp_path / "run" / "checkpoints" / "step_00000001").exists()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["kl"] == 0.0 < records[1]["kl"]  # step 2 is scored against the moved weights
 
 
 def test_unreachable_gateway_fails_with_the_url(dist_env: None, tiny_model: Path, tmp_path: Path) -> None:

@@ -1,0 +1,73 @@
+"""The backend pool at run time (admin): add, list, remove SGLang servers.
+
+The registry is a store table, so every gateway process sees the same servers (each reloads it on its
+health interval); a new backend is brought to the current weight version before it takes traffic.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import delete, select
+
+from gateway.auth import admin
+from gateway.errors import NotFound, ServiceUnavailable
+from gateway.routes.common import json_response, read_body
+from gateway.sglang import BackendError
+from gateway.store.models import BackendRow
+
+router = APIRouter()
+BR = BackendRow.__table__
+
+
+class AddBackend(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(min_length=8, pattern=r"^https?://")
+
+
+def backend_json(b: object) -> dict[str, object]:
+    return {"id": b.id, "url": b.url, "healthy": b.healthy, "in_flight": b.in_flight,  # type: ignore[attr-defined]
+            "weight_version": b.weight_version, "last_error": b.last_error}  # type: ignore[attr-defined]
+
+
+@router.get("/v1/backends")
+async def list_backends(request: Request) -> Response:
+    await admin(request)
+    return json_response({"object": "list", "data": [backend_json(b) for b in request.app.state.pool.backends()]})
+
+
+@router.post("/v1/backends")
+async def add_backend(request: Request) -> Response:
+    await admin(request)
+    body = await read_body(request, AddBackend)
+    state = request.app.state
+    url = body.url.rstrip("/")
+    backend = state.pool.add(url, healthy=False)  # no traffic until it serves the current weights
+    try:
+        if not await backend.client.health():
+            raise BackendError(f"{url}/health does not answer 200")
+        await state.publisher.sync_backend(backend)
+    except BackendError as e:
+        state.pool.remove(backend.id)
+        raise ServiceUnavailable(f"backend {url} is not usable: {e}", retry_after=5) from e
+    state.pool.mark_healthy(backend)
+    async with state.store.engine.begin() as conn:
+        if (await conn.execute(select(BR.c.id).where(BR.c.url == url))).first() is None:
+            await conn.execute(BR.insert().values(id=backend.id, url=url, created_at=time.time(), enabled=True))
+    return json_response(backend_json(backend), status=201)
+
+
+@router.delete("/v1/backends/{backend_id}")
+async def remove_backend(request: Request, backend_id: str) -> Response:
+    await admin(request)
+    state = request.app.state
+    try:
+        backend = state.pool.remove(backend_id)
+    except KeyError:
+        raise NotFound(f"no backend {backend_id}") from None
+    async with state.store.engine.begin() as conn:
+        await conn.execute(delete(BR).where(BR.c.url == backend.url))
+    return json_response({"id": backend_id, "removed": True})
