@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager, suppress
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -317,8 +318,21 @@ def serve(
         context_length=context_length,
         incremental_streaming_output=incremental_streaming_output,
     )
-    # In-flight generations get a few seconds, then are cancelled (which aborts them) so a signal never hangs.
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    _Server(config, app.state.engine.scheduler).run()
+
+
+class _Server(uvicorn.Server):
+    """On SIGINT/SIGTERM, abort every generation so in-flight requests answer with their partial output
+    (finish_reason abort) and the graceful shutdown does not wait on long generations."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler) -> None:
+        super().__init__(config)
+        self._scheduler = scheduler
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._scheduler.abort(None)
+        super().handle_exit(sig, frame)
 
 
 def main(argv: list[str] | None = None) -> None:
