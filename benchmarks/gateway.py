@@ -61,14 +61,14 @@ TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }}
-CALL1 = [
+CALL1: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a travel assistant. Use the tool when it helps; answer briefly."},
     {"role": "user", "content": f"Trip {N}: I land in Lisbon tomorrow morning. Do I need a jacket?"},
     {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Lisbon"}'}}]},
     {"role": "tool", "tool_call_id": "call_0", "content": '{"temp_c": 15, "sky": "light rain", "wind_kph": 22}'},
 ]
-FOLLOW_UP = {"role": "user", "content": "Thanks. And what about the evening?"}
+FOLLOW_UP: dict[str, Any] = {"role": "user", "content": "Thanks. And what about the evening?"}
 
 
 def chat_body(messages: list[dict[str, Any]]) -> str:
@@ -181,7 +181,8 @@ def run_wrk(url: str, script: Path, conns: int, seconds: int, keys_file: str = "
         raise RuntimeError(f"wrk failed ({out.returncode}): {out.stdout[-2000:]} {out.stderr[-2000:]}")
     if out.stderr.strip():
         print(f"  wrk: {out.stderr.strip()[:600]}", file=sys.stderr)
-    return json.loads(lines[-1][len("BENCH "):])  # type: ignore[no-any-return]
+    result: dict[str, Any] = json.loads(lines[-1][len("BENCH "):])
+    return result
 
 
 # --- processes and their CPU ---------------------------------------------------------------------------
@@ -201,7 +202,7 @@ class Procs:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = open(self.logdir / f"{name}.log", "ab")  # noqa: SIM115 (closed with the process)
+        log = open(self.logdir / f"{name}.log", "ab")
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
@@ -406,11 +407,16 @@ def measure(t: Target, backend_pid: int, conns: int, seconds: int, warmup: int, 
         cmd = ["py-spy", "record", "-p", str(t.pid), "-d", str(seconds), "-r", "100", "-f", "raw", "-o", str(out),
                *t.extra["py_spy_flags"].split()]
         spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    a = Snapshot.take(t.pid, backend_pid, t.dbname)
-    res = run_wrk(t.url, t.script, conns, seconds, keys_timed)
-    b = Snapshot.take(t.pid, backend_pid, t.dbname)
-    if spy is not None:
-        spy.wait(60)
+    try:
+        a = Snapshot.take(t.pid, backend_pid, t.dbname)
+        res = run_wrk(t.url, t.script, conns, seconds, keys_timed)
+        b = Snapshot.take(t.pid, backend_pid, t.dbname)
+        if spy is not None:
+            spy.wait(60)
+    finally:
+        if spy is not None and spy.poll() is None:
+            os.killpg(spy.pid, signal.SIGKILL)
+            spy.wait()
     ok = res["requests"] - res["non200"]
     per = max(ok, 1)
     wall_ms = (b.at - a.at) * 1000
@@ -430,8 +436,12 @@ def measure(t: Target, backend_pid: int, conns: int, seconds: int, warmup: int, 
         turns1 = turn_counts(t.url)
         stored = {k: turns1.get(k, 0) - turns0.get(k, 0) for k in turns1}
         row["extends_frac"] = stored.get("extends", 0) / max(stored.get("extends", 0) + stored.get("new-chain", 0), 1)
-        row["chain_breaks"] = {k[6:]: v for k, v in stored.items() if k.startswith("break:") and v}
+        # A first call starts a chain ("first_turn"); any other reason means call 2 missed its parent.
+        row["chain_breaks"] = {k[6:]: v for k, v in stored.items() if k.startswith("break:") and v
+                               and k != "break:first_turn"}
         row["sessions_reused"] = res["wraps"]
+    print(f"  {t.name} C={conns}: {row['req_s']:.0f} req/s, server {row['server_cpu_ms']:.3f} ms CPU/req, "
+          f"machine {row['machine_cpu_pct']:.0f}% busy", file=sys.stderr)
     return row
 
 
@@ -528,13 +538,13 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     passthrough = [r["req_s"] for r in rows if r["config"] == "passthrough"]
     targets: dict[str, Any] = {}
     for db in ("sqlite", "postgres"):
-        r = by.get((db, 32))
-        if r is None:
+        row = by.get((db, 32))
+        if row is None:
             continue
-        targets[f"{db}_c32_cpu_ms"] = round(r["server_cpu_ms"], 3)
-        targets[f"{db}_c32_cpu_ok"] = r["server_cpu_ms"] <= 1.0
+        targets[f"{db}_c32_cpu_ms"] = round(row["server_cpu_ms"], 3)
+        targets[f"{db}_c32_cpu_ok"] = row["server_cpu_ms"] <= 1.0
         if passthrough:
-            ratio = r["req_s"] / max(passthrough)
+            ratio = row["req_s"] / max(passthrough)
             targets[f"{db}_c32_vs_fastest_passthrough"] = round(ratio, 3)
             targets[f"{db}_c32_throughput_ok"] = ratio >= 0.35
     print("\ntargets at C=32: gateway CPU <= 1 ms per recorded completion; >= 35% of the fastest pass-through")

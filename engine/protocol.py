@@ -52,7 +52,8 @@ def parse_generate(
     )
     if len(rids) != len(prompts):
         raise InvalidRequest("rid must have one entry per prompt")
-    start = body.get("logprob_start_len")
+    start = _int(body, "logprob_start_len", -1)
+    top_n = _int(body, "top_logprobs_num", 0)
     stream = bool(body.get("stream") or False)
     specs = []
     for ids, rid in zip(prompts, rids, strict=True):
@@ -65,8 +66,8 @@ def parse_generate(
                 input_ids=ids,
                 params=params,
                 return_logprob=bool(body.get("return_logprob") or False),
-                top_logprobs_num=int(body.get("top_logprobs_num") or 0),
-                logprob_start_len=-1 if start is None else int(start),
+                top_logprobs_num=top_n,
+                logprob_start_len=start,
                 return_text_in_logprobs=bool(body.get("return_text_in_logprobs") or False),
                 stream=stream,
             )
@@ -74,6 +75,15 @@ def parse_generate(
     if stream and len(specs) > 1:
         raise InvalidRequest("streaming is supported for one generation per request")
     return GenerateCall(specs=specs, batched=batched or params.n > 1, stream=stream)
+
+
+def _int(body: dict[str, Any], key: str, default: int) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequest(f"{key} must be an integer")
+    return value
 
 
 def _is_batch(ids: Any) -> bool:

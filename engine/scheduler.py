@@ -164,6 +164,8 @@ class Scheduler:
         def register() -> None:
             if abort_all:
                 self._abort(lambda s: True)
+            if self._pending_swap is not None:
+                self._pending_swap[1].set_exception(RuntimeError("superseded by a later weight update"))
             self._pending_swap = (swap, future)
             self._maybe_swap()  # at once when paused or idle; otherwise once the running rows are done
 

@@ -318,11 +318,16 @@ def serve(
         context_length=context_length,
         incremental_streaming_output=incremental_streaming_output,
     )
+    build_server(app, host=host, port=port, log_level=log_level).run()
+
+
+def build_server(app: FastAPI, *, host: str, port: int, log_level: str = "warning") -> uvicorn.Server:
+    """uvicorn for an engine app; `.run()` blocks until SIGINT/SIGTERM (or `handle_exit`)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    _Server(config, app.state.engine.scheduler).run()
+    return EngineServer(config, app.state.engine.scheduler)
 
 
-class _Server(uvicorn.Server):
+class EngineServer(uvicorn.Server):
     """On SIGINT/SIGTERM, abort every generation so in-flight requests answer with their partial output
     (finish_reason abort) and the graceful shutdown does not wait on long generations."""
 

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import json
-import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.server import build_server, create_app
 from tests.engine.conftest import LiveServer
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -200,34 +198,25 @@ async def test_info_endpoints(http: httpx.AsyncClient) -> None:
     assert (await http.get("/get_server_info")).json()["context_length"] == 4096
 
 
-def test_serve_exits_on_sigterm_and_returns_partials(tiny_model_dir: Path) -> None:
-    """`python -m engine.server` (what `rollway engine` runs): SIGTERM aborts in-flight work and exits."""
+def test_shutdown_signal_aborts_in_flight_work(tiny_model_dir: Path) -> None:
+    """What `serve()` does on SIGINT/SIGTERM (uvicorn calls `handle_exit` from its signal handler)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "engine.server", "--model", str(tiny_model_dir), "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    server = build_server(create_app(tiny_model_dir), host="127.0.0.1", port=port)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            time.sleep(0.1)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            body = {"input_ids": PROMPT, "sampling_params": LONG}
-            pending = pool.submit(httpx.post, f"{url}/generate", json=body, timeout=60)
-            while httpx.post(f"{url}/flush_cache").status_code != 400:
-                time.sleep(0.02)
-            start = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
-            assert time.monotonic() - start < 5
-            out = pending.result().json()
-        assert out["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(out["output_ids"]) < 3000
-    finally:
-        proc.kill()
-        proc.wait()
+    while not server.started:
+        time.sleep(0.02)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        body = {"input_ids": PROMPT, "sampling_params": LONG}
+        pending = pool.submit(httpx.post, f"{url}/generate", json=body, timeout=60)
+        while httpx.post(f"{url}/flush_cache").status_code != 400:
+            time.sleep(0.02)
+        start = time.monotonic()
+        server.handle_exit(signal.SIGTERM, None)
+        thread.join(timeout=30)
+        assert not thread.is_alive() and time.monotonic() - start < 5
+        out = pending.result().json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(out["output_ids"]) < 3000
