@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from gateway.continuity import choose_parent
 from gateway.errors import BadRequest, Conflict, ContextLengthExceeded
@@ -88,6 +91,8 @@ class TurnService:
         self.parser = get_tool_parser(tool_parser)
         self.reasoning = reasoning
         self.stop_ids = set(template.stop_token_ids)
+        self._token_text: dict[int, tuple[str, list[int]]] = {}
+        self._renders: OrderedDict[bytes, list[int]] = OrderedDict()
 
     # --- before generation -----------------------------------------------------------------------
 
@@ -124,8 +129,21 @@ class TurnService:
             reason: str | None = "template_not_prefix_stable"
         else:
             reason = choice.reason
-        ids = self.template.render_ids(req.messages, req.tools)
+        ids = self._render_cached(req.messages, req.tools)
         return None, reason, ids, ids
+
+    def _render_cached(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """Siblings of a GRPO group send the same first prompt: render and tokenize it once."""
+        key = orjson.dumps([messages, tools], option=orjson.OPT_SORT_KEYS)
+        ids = self._renders.get(key)
+        if ids is None:
+            ids = self.template.render_ids(messages, tools)
+            self._renders[key] = ids
+            if len(self._renders) > 1024:
+                self._renders.popitem(last=False)
+        else:
+            self._renders.move_to_end(key)
+        return list(ids)
 
     def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
         ctx = self.context_length
@@ -169,6 +187,14 @@ class TurnService:
         return params, temperature if temperature > 0 else 1.0
 
     # --- after generation ------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """One token's text and UTF-8 bytes for OpenAI logprobs (cached: decoding is the costly part)."""
+        hit = self._token_text.get(token_id)
+        if hit is None:
+            text = str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+            hit = self._token_text[token_id] = (text, list(text.encode()))
+        return hit
 
     def parser_for(self, req: TurnRequest) -> ToolParser | None:
         """No tool parsing when no tools were offered (a JSON answer is then just text)."""

@@ -29,14 +29,18 @@ from rollway.paths import agent_file
 from rollway.rollout import Runner, load_agent, load_tasks, run_eval
 
 # Tuned on this 2-core machine (see the closing notes of the trainer issue for the sweep).
-SFT_EXAMPLES = 600
-SFT_STEPS = 40
+SFT_EXAMPLES = 1000  # the training tasks only; the held-out tasks are never seen
+SFT_STEPS = 400
+SFT_BATCH = 32
 SFT_LR = 1e-3
-GROUPS_PER_STEP = 8
+GROUPS_PER_STEP = 4
+GROUPS_IN_FLIGHT = 16  # filtered groups free their slot at once, so keep the engine busy
 N_SAMPLES = 8
-RL_LR = 2e-4
+RL_LR = 3e-4
 ETA = 1
 EVAL_TASKS = 200
+TOTAL_SECONDS = 570.0  # the whole demo, everything included, stays under 10 minutes
+END_RESERVE_S = 45.0  # stopping the trainer, the last held-out eval and the summary
 
 
 def _log(msg: str) -> None:
@@ -53,7 +57,9 @@ def _sft(out: Path, model: Path, tasks: list[dict[str, Any]], seed: int) -> Path
                                              {"role": "assistant", "content": t["answer"]}]}) + "\n")
     rc = train_main(["--mode", "sft", "--model", str(model), "--out", str(out / "sft"), "--sft-data", str(data),
                      "--steps", str(SFT_STEPS), "--lr", str(SFT_LR), "--seed", str(seed), "--nproc", "1",
-                     "--sft-batch-sequences", "32"])
+                     "--sft-batch-sequences", str(SFT_BATCH),
+                     "--sft-epochs", str(-(-SFT_STEPS * SFT_BATCH // min(SFT_EXAMPLES, len(tasks)))),
+                     "--checkpoint-every", str(10 ** 6)])  # only the final checkpoint: saving is not free
     if rc != 0:
         raise SystemExit(f"SFT warm-up failed (exit {rc}); see {out / 'sft'}")
     return out / "sft" / "weights" / "sft-final"
@@ -65,10 +71,10 @@ def _read_steps(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str], out: Path, minutes: float,
+async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str], out: Path, deadline: float,
               steps: int, tasks: list[dict[str, Any]], eval_tasks: list[dict[str, Any]]) -> dict[str, Any]:
     agent = load_agent(agent_file("arithmetic.py"))
-    runner = Runner(gateway, key, agent, concurrency=GROUPS_PER_STEP * N_SAMPLES * 2)
+    runner = Runner(gateway, key, agent, concurrency=GROUPS_IN_FLIGHT * N_SAMPLES)
     try:
         start_eval = await run_eval(runner, eval_tasks, 1, 0)
         _log(f"held-out greedy accuracy before RL: {start_eval['eval_mean_reward']:.3f}")
@@ -76,12 +82,11 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
         trainer = subprocess.Popen(train_cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         metrics = out / "train" / "metrics.jsonl"
         bar = tqdm(total=steps or None, desc="RL steps", unit="step")
-        deadline = time.monotonic() + minutes * 60
         i = 0
         in_flight: set[asyncio.Task[Any]] = set()
         try:
-            while trainer.poll() is None and time.monotonic() < deadline:
-                while len(in_flight) < GROUPS_PER_STEP * 2:
+            while trainer.poll() is None and time.time() < deadline:
+                while len(in_flight) < GROUPS_IN_FLIGHT:
                     task = tasks[i % len(tasks)]
                     i += 1
                     in_flight.add(asyncio.ensure_future(runner.run_group(task, N_SAMPLES)))
@@ -135,7 +140,8 @@ def main(args: argparse.Namespace) -> int:
     env = {**os.environ, "ROLLWAY_ADMIN_KEY": key}
     port = free_port()
     gateway = f"http://127.0.0.1:{port}"
-    with engine_process(model, log_path=out / "engine.log") as engine_url:
+    with engine_process(model, log_path=out / "engine.log",
+                        extra=["--max-batch-size", "64"]) as engine_url:
         glog = open(out / "gateway.log", "ab")
         gw = subprocess.Popen(
             [sys.executable, "-m", "rollway.cli", "serve", "--backend", engine_url, "--tokenizer", str(model),
@@ -148,8 +154,9 @@ def main(args: argparse.Namespace) -> int:
             train_cmd = [sys.executable, "-m", "rollway.cli", "train", "--gateway", gateway, "--model", str(model),
                          "--out", str(out / "train"), "--nproc", str(args.nproc), "--seed", str(args.seed),
                          "--groups-per-step", str(GROUPS_PER_STEP), "--max-head-offpolicyness", str(ETA),
-                         "--lr", str(RL_LR), "--wait-seconds", "5", "--steps", str(args.steps or 0)]
-            res = asyncio.run(_rl(gateway, key, train_cmd, env, out, args.minutes, args.steps, tasks, eval_tasks))
+                         "--lr", str(RL_LR), "--wait-seconds", "5", "--checkpoint-every", "50", "--steps", str(args.steps or 0)]
+            deadline = min(time.time() + args.minutes * 60, t0 + TOTAL_SECONDS - END_RESERVE_S)
+            res = asyncio.run(_rl(gateway, key, train_cmd, env, out, deadline, args.steps, tasks, eval_tasks))
         finally:
             stop(gw)
             glog.close()

@@ -52,6 +52,6 @@ def serve(args: argparse.Namespace) -> int:
         app = create_app(settings, admin_key=key)
         print(f"gateway on http://{settings.host}:{settings.port}  (agents: POST /v1/groups for keys)",
               file=sys.stderr)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
+                    loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
     return 0

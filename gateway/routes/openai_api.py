@@ -85,17 +85,15 @@ def chat_turn_request(body: ChatCompletionRequest) -> TurnRequest:
 
 
 def logprobs_content(turns: TurnService, ids: list[int], lps: list[float], tops: list[Any]) -> list[dict[str, Any]]:
-    tok = turns.tokenizer
     out = []
     for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
         if tid in turns.stop_ids:
             continue
-        text = tok.decode([tid], skip_special_tokens=False)
-        entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+        text, raw = turns.token_text(tid)
+        entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": raw, "top_logprobs": []}
         if i < len(tops) and tops[i]:
             entry["top_logprobs"] = [
-                {"token": (t := tok.decode([cand], skip_special_tokens=False)), "logprob": clp, "bytes": list(t.encode())}
-                for cand, clp in tops[i]
+                {"token": (tb := turns.token_text(cand))[0], "logprob": clp, "bytes": tb[1]} for cand, clp in tops[i]
             ]
         out.append(entry)
     return out

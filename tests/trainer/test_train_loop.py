@@ -83,7 +83,7 @@ def test_rl_loop_publishes_and_acks_after_checkpoint(
     assert records[0]["reward_mean"] == pytest.approx(4.5 / 7)
     for key in (
         "loss",
-        "clipped",
+        "clip_frac",
         "kl",
         "entropy",
         "staleness_mean",
