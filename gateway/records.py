@@ -38,6 +38,7 @@ def session_record(session: dict[str, Any], rows: list[TurnRow]) -> dict[str, An
             "request": r.request, "reply": r.reply,
             "prompt_ids": prompt, "prompt_delta_len": len(delta), "completion_ids": completion,
             "logprobs": unpack(r.logprobs, "float32"), "versions": unpack(r.versions, "int32"),
+            "timings": r.timings,
         })
     return {**session, "turns": turns, "tool_calls": tool_calls(rows)}
 

@@ -48,21 +48,34 @@ def _log(msg: str) -> None:
 
 
 def _sft(out: Path, model: Path, tasks: list[dict[str, Any]], seed: int) -> Path:
-    from trainer.launch import main as train_main
-
     data = out / "sft.jsonl"
     with data.open("w") as f:
         for t in tasks[:SFT_EXAMPLES]:
             f.write(json.dumps({"messages": [{"role": "user", "content": t["prompt"]},
                                              {"role": "assistant", "content": t["answer"]}]}) + "\n")
-    rc = train_main(["--mode", "sft", "--model", str(model), "--out", str(out / "sft"), "--sft-data", str(data),
-                     "--steps", str(SFT_STEPS), "--lr", str(SFT_LR), "--seed", str(seed), "--nproc", "1",
-                     "--sft-batch-sequences", str(SFT_BATCH),
-                     "--sft-epochs", str(-(-SFT_STEPS * SFT_BATCH // min(SFT_EXAMPLES, len(tasks)))),
-                     "--checkpoint-every", str(10 ** 6)])  # only the final checkpoint: saving is not free
+    # Nothing else of the demo runs yet: the SFT process may use both cores (engine and trainer get one each later).
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(min(2, os.cpu_count() or 1))
+    try:
+        rc = _sft_run(out, model, data, seed, len(tasks))
+    finally:
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
     if rc != 0:
         raise SystemExit(f"SFT warm-up failed (exit {rc}); see {out / 'sft'}")
     return out / "sft" / "weights" / "sft-final"
+
+
+def _sft_run(out: Path, model: Path, data: Path, seed: int, n_tasks: int) -> int:
+    from trainer.launch import main as train_main
+
+    return train_main(["--mode", "sft", "--model", str(model), "--out", str(out / "sft"), "--sft-data", str(data),
+                     "--steps", str(SFT_STEPS), "--lr", str(SFT_LR), "--seed", str(seed), "--nproc", "1",
+                     "--sft-batch-sequences", str(SFT_BATCH),
+                     "--sft-epochs", str(-(-SFT_STEPS * SFT_BATCH // min(SFT_EXAMPLES, n_tasks))),
+                     "--checkpoint-every", str(10 ** 6)])  # only the final checkpoint: saving is not free
 
 
 def _read_steps(path: Path) -> list[dict[str, Any]]:
@@ -82,7 +95,7 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
         trainer = subprocess.Popen(train_cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         metrics = out / "train" / "metrics.jsonl"
         bar = tqdm(total=steps or None, desc="RL steps", unit="step")
-        i = 0
+        i = failed = 0
         in_flight: set[asyncio.Task[Any]] = set()
         try:
             while trainer.poll() is None and time.time() < deadline:
@@ -92,7 +105,10 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
                     in_flight.add(asyncio.ensure_future(runner.run_group(task, N_SAMPLES)))
                 done, in_flight = await asyncio.wait(in_flight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
                 for d in done:
-                    d.result()
+                    if d.exception() is not None:  # one failed group (e.g. a dropped connection) is no reason to stop
+                        failed += 1
+                        if failed <= 3:
+                            _log(f"a group failed: {d.exception()!r}")
                 rows = _read_steps(metrics)
                 if len(rows) > bar.n:
                     bar.update(len(rows) - bar.n)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -86,7 +87,7 @@ def _sft(calc: ModuleType, model: Path, out: Path) -> Path:
 
 class RecordingProxy:
     """A minimal HTTP proxy in a thread: forwards every request to `target` as is (streams included) and
-    records each /generate exchange as {"input_ids", "output_ids", "finish_reason", "rid", "stream"}."""
+    records each /generate exchange: input_ids, output_ids, finish_reason, rid, stream, sampling_params."""
 
     def __init__(self, target: str) -> None:
         self.target = target.rstrip("/")
@@ -170,7 +171,8 @@ class RecordingProxy:
         ids, finish = result
         with self._lock:
             self.records.append({"input_ids": list(req["input_ids"]), "output_ids": list(ids),
-                                 "finish_reason": finish, "rid": req.get("rid"), "stream": stream})
+                                 "finish_reason": finish, "rid": req.get("rid"), "stream": stream,
+                                 "sampling_params": req.get("sampling_params") or {}})
 
 
 def _last_sse_state(raw: bytes) -> tuple[list[int], Any]:
@@ -252,6 +254,7 @@ def test_tool_agent_sessions_are_one_chain_of_engine_tokens(
                 stop(gw)
         records = proxy.generate_records()
     t_end = time.monotonic()
+    (tmp_path / "sessions.json").write_text(json.dumps({"sessions": sessions, "engine": records}, indent=1))
     print(f"\nSFT {t_sft - t0:.1f}s, rollout {t_end - t_sft:.1f}s, total {t_end - t0:.1f}s; "
           f"rewards {rewards}; {len(records)} /generate calls")
 
@@ -264,7 +267,7 @@ def test_tool_agent_sessions_are_one_chain_of_engine_tokens(
         chain = sorted(s["turns"], key=lambda t: t["seq"])
         assert chain, f"session {s['id']} has no turns"
         assert chain[0]["continuity"] == "new-chain" and chain[0]["parent_id"] is None
-        for parent, turn in zip(chain, chain[1:], strict=False):
+        for parent, turn in itertools.pairwise(chain):
             assert turn["continuity"] == "extends", (s["id"], turn["seq"], turn["chain_reason"])
             assert turn["parent_id"] == parent["id"]
             prefix = parent["prompt_ids"] + parent["completion_ids"]
@@ -285,6 +288,7 @@ def test_tool_agent_sessions_are_one_chain_of_engine_tokens(
 
     # -- the model-generated spans are exactly what the engine produced, for exactly those prompts
     assert all((r["finish_reason"] or {}).get("type") != "abort" for r in records), records
+    assert all(r["sampling_params"].get("temperature") == 0.0 for r in records)  # the group's greedy policy
     engine_pairs = Counter((tuple(r["input_ids"]), tuple(r["output_ids"])) for r in records)
     stored_pairs = Counter((tuple(t["prompt_ids"]), tuple(t["completion_ids"])) for t in turns)
     assert len(records) == len(turns)
@@ -297,9 +301,14 @@ def test_tool_agent_sessions_are_one_chain_of_engine_tokens(
     with_tools = 0
     for s in sessions:
         by_id = {t["id"]: t for t in s["turns"]}
+        replied = [tc["id"] for t in s["turns"] for tc in (t["reply"] or {}).get("tool_calls") or []]
+        assert [c["id"] for c in s["tool_calls"]] == replied
         for call in s["tool_calls"]:
             assert call["name"] == "calculate"
-            expression = json.loads(call["arguments"])["expression"]
+            try:  # exactly as the agent reads it
+                expression = json.loads(call["arguments"]).get("expression", "")
+            except (json.JSONDecodeError, AttributeError):
+                expression = ""
             assert call["result"] == calc.calculate(str(expression))
             child = by_id[call["result_turn_id"]]
             assert child["continuity"] == "extends" and child["parent_id"] == call["turn_id"]
