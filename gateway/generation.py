@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +68,7 @@ async def generate(
     stream: bool,
     max_resubmits: int,
     out: Generation,
-) -> AsyncIterator[int]:
+) -> AsyncGenerator[int, None]:
     """Yields the number of new tokens each time `out` grew; `out.finish` is set when done.
 
     Raises ServiceUnavailable when no backend answers or the reply was interrupted too often.

@@ -27,10 +27,10 @@ def session_record(session: dict[str, Any], rows: list[TurnRow]) -> dict[str, An
     chains: dict[str, list[int]] = {}
     turns: list[dict[str, Any]] = []
     for r in rows:
-        delta = unpack(r.prompt_ids, "int32")
-        completion = unpack(r.completion_ids, "int32")
+        delta: list[int] = unpack(r.prompt_ids, "int32")  # type: ignore[assignment]
+        completion: list[int] = unpack(r.completion_ids, "int32")  # type: ignore[assignment]
         prompt = chains[r.parent_id] + delta if r.parent_id and r.parent_id in chains else delta
-        chains[r.id] = prompt + completion  # type: ignore[operator]
+        chains[r.id] = prompt + completion
         turns.append({
             "id": r.id, "seq": r.seq, "parent_id": r.parent_id, "continuity": r.continuity,
             "chain_reason": r.chain_reason, "finish_reason": r.finish_reason,

@@ -239,7 +239,7 @@ class TurnService:
             p.auth.id, seq, p.turn_id, p.req.messages, {} if raw_only else reply, p.req.tools, p.prompt_ids, gen.ids
         )
         self.metrics.turn_stored(
-            continuity=values["continuity"], prompt_tokens=len(p.prompt_ids), completion_tokens=len(gen.ids),
+            continuity="extends" if p.parent_id else "new-chain", prompt_tokens=len(p.prompt_ids), completion_tokens=len(gen.ids),
             disconnected=client_disconnected, chain_reason=p.chain_reason,
         )
         return FinishedTurn(p.turn_id, text, parsed, finish)

@@ -53,9 +53,11 @@ def _sft(out: Path, model: Path, tasks: list[dict[str, Any]], seed: int) -> Path
         for t in tasks[:SFT_EXAMPLES]:
             f.write(json.dumps({"messages": [{"role": "user", "content": t["prompt"]},
                                              {"role": "assistant", "content": t["answer"]}]}) + "\n")
-    # Nothing else of the demo runs yet: the SFT process may use both cores (engine and trainer get one each later).
+    # Nothing else of the demo runs yet: the SFT process may use two cores (engine and trainer get one each
+    # later), unless the machine is busy with other work: oversubscribed intra-op threads made a step 3x slower.
     threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(min(2, os.cpu_count() or 1))
+    idle = (os.cpu_count() or 1) - os.getloadavg()[0]
+    os.environ["OMP_NUM_THREADS"] = "2" if idle >= 1.5 else "1"
     try:
         rc = _sft_run(out, model, data, seed, len(tasks))
     finally:

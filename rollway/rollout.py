@@ -58,7 +58,7 @@ def load_agent(path: str | Path) -> Callable[..., Any]:
     fn = getattr(module, "run", None)
     if not callable(fn):
         raise SystemExit(f"{path} must define run(task, client) -> float")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def load_tasks(path: str | Path) -> list[dict[str, Any]]:
@@ -197,7 +197,7 @@ async def rollout(args: argparse.Namespace, admin_key: str) -> Stats:
     runner = Runner(args.gateway, admin_key, agent, concurrency=args.concurrency)
     total = len(tasks) * args.epochs if args.epochs else None
     bar = tqdm(total=total, unit="group", desc="rollout")
-    in_flight: set[asyncio.Task[Any]] = set()
+    in_flight: set[asyncio.Future[Any]] = set()
     max_groups_ahead = max(1, args.concurrency // max(1, args.n_samples)) + 1
     last_eval = -1
     try:

@@ -7,11 +7,12 @@ health interval); a new backend is brought to the current weight version before 
 from __future__ import annotations
 
 import time
+from typing import cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import delete, select
+from sqlalchemy import Table, delete, select
 
 from gateway.auth import admin
 from gateway.errors import NotFound, ServiceUnavailable
@@ -20,7 +21,7 @@ from gateway.sglang import BackendError
 from gateway.store.models import BackendRow
 
 router = APIRouter()
-BR = BackendRow.__table__
+BR = cast(Table, BackendRow.__table__)
 
 
 class AddBackend(BaseModel):

@@ -210,10 +210,10 @@ def add_session_routes(router: APIRouter, path: str, fn: Any, method: str) -> No
     """`/v1/...` authenticated by key, and `/sessions/{session_id}/v1/...` by the id in the path."""
 
     async def by_key(request: Request) -> Response:
-        return await fn(request, None)  # type: ignore[no-any-return]
+        return await fn(request, None)
 
     async def by_path(request: Request, session_id: str) -> Response:
-        return await fn(request, session_id)  # type: ignore[no-any-return]
+        return await fn(request, session_id)
 
     router.add_api_route(path, by_key, methods=[method])
     router.add_api_route("/sessions/{session_id}" + path, by_path, methods=[method], include_in_schema=False)

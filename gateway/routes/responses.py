@@ -55,7 +55,7 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             else:
                 msgs.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+            call: dict[str, Any] = {"id": item.get("call_id") or item.get("id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
             if not call["function"]["name"]:
                 raise BadRequest("function_call item needs a name", param=param)

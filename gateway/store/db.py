@@ -113,4 +113,4 @@ def current_revision(url: str) -> str | None:
         finally:
             await engine.dispose()
 
-    return _in_thread(asyncio.run, read())  # type: ignore[no-any-return]
+    return _in_thread(asyncio.run, read())

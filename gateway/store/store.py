@@ -114,7 +114,7 @@ class Store:
         return SessionAuth(row.id, row.group_id, row.state, row.turn_count, row.sampling)
 
     async def session_turns(self, session_id: str) -> list[TurnRow]:
-        cols = [T.c[name] for name in TurnRow.__slots__]  # type: ignore[attr-defined]
+        cols = [T.c[name] for name in TurnRow.__slots__]
         q = select(*cols).where(T.c.session_id == session_id).order_by(T.c.seq)
         async with self.engine.connect() as conn:
             rows = (await conn.execute(q)).all()
@@ -290,4 +290,4 @@ class Store:
             g = (await conn.execute(select(G.c.state, func.count()).group_by(G.c.state))).all()
             s = (await conn.execute(select(S.c.state, func.count()).group_by(S.c.state))).all()
             t = (await conn.execute(select(T.c.continuity, func.count()).group_by(T.c.continuity))).all()
-        return {"groups": dict(g), "sessions": dict(s), "turns": dict(t)}  # type: ignore[arg-type]
+        return {"groups": dict(g), "sessions": dict(s), "turns": dict(t)}
