@@ -182,3 +182,26 @@ def test_partial_ack_then_publish_several_batches(gateway: LiveGateway, tmp_path
     assert r.status_code == 200, r.text
     assert state(gateway, g2) == "trained" and state(gateway, g3) == "trained"
     assert gateway.admin.post(f"/v1/batches/{second['batch_id']}/renew", json={}).status_code == 409
+
+
+def test_lease_drops_groups_older_than_eta(gateway: LiveGateway) -> None:
+    """eta = 0: a trainer at version v never gets a group with a token older than v; such groups are
+    dropped as `stale` and counted. eta = 1 accepts one version of lag."""
+    drain(gateway)
+    v = gateway.admin.get("/v1/weights").json()["version"]
+    old, fresh = gateway.group(2), gateway.group(2)
+    for g in (old, fresh):
+        for cred in g["sessions"]:
+            play(gateway, cred, 1.0)
+    got = lease(gateway, trainer_version=v + 1, max_head_offpolicyness=0)
+    assert got["groups"] == [] and got["dropped_stale"] == 2
+    info = gateway.admin.get(f"/v1/groups/{old['group_id']}").json()
+    assert info["state"] == "dropped" and info["drop_reason"] == "stale"
+    again = gateway.group(2)
+    for cred in again["sessions"]:
+        play(gateway, cred, 1.0)
+    ok = lease(gateway, trainer_version=v + 1, max_head_offpolicyness=1)
+    assert [g["group_id"] for g in ok["groups"]] == [again["group_id"]]
+    gateway.admin.post(f"/v1/batches/{ok['batch_id']}/ack", json={})
+    # reset the remembered eta so later tests see no admission control
+    gateway.admin.post("/v1/batches", json={"max_head_offpolicyness": -1})
