@@ -102,8 +102,16 @@ class Runner:
         await self.http.aclose()
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        failures = 0
         while True:
-            r = await self.http.post(path, json=body)
+            try:
+                r = await self.http.post(path, json=body)
+            except httpx.TransportError as e:  # a dropped connection: the calls are idempotent, retry a few times
+                failures += 1
+                if failures > 5:
+                    raise RuntimeError(f"POST {path}: gateway unreachable ({e!r})") from e
+                await asyncio.sleep(0.5 * failures)
+                continue
             if r.status_code == 429:  # staleness control: wait as told
                 await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
                 continue
