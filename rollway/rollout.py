@@ -106,9 +106,11 @@ class Runner:
         while True:
             try:
                 r = await self.http.post(path, json=body)
-            except httpx.TransportError as e:  # a dropped connection: the calls are idempotent, retry a few times
+            except httpx.TransportError as e:
+                # A dropped connection: reward/finish/abandon are idempotent, retry them a few times. A group
+                # creation is not (a retry could leave an orphan group), so it fails at once.
                 failures += 1
-                if failures > 5:
+                if failures > 5 or path == "/v1/groups":
                     raise RuntimeError(f"POST {path}: gateway unreachable ({e!r})") from e
                 await asyncio.sleep(0.5 * failures)
                 continue
