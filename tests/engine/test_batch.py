@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,14 @@ SEQS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18], [40], [90, 91, 92, 93, 94]]
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir: Path) -> PreTrainedModel:
-    torch.set_grad_enabled(False)
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(autouse=True)
+def _no_grad() -> Iterator[None]:
+    # Scoped to each test: a process-wide set_grad_enabled(False) would leak into the trainer's tests.
+    with torch.no_grad():
+        yield
 
 
 def last_logits(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
