@@ -46,6 +46,14 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.execute("PRAGMA busy_timeout=10000")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
+    # We issue BEGIN ourselves (below): the driver's implicit deferred BEGIN lets a read lock be upgraded to
+    # a write lock mid-transaction, which SQLite refuses at once ("database is locked") under concurrency.
+    dbapi_conn.isolation_level = None
+
+
+def _sqlite_begin(conn: Any) -> None:
+    # IMMEDIATE takes the write lock up front, so concurrent writers wait (busy_timeout) instead of failing.
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def create_engine(url: str, **kw: Any) -> AsyncEngine:
@@ -53,6 +61,7 @@ def create_engine(url: str, **kw: Any) -> AsyncEngine:
     if is_sqlite(url):
         engine = create_async_engine(aurl, **kw)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        event.listen(engine.sync_engine, "begin", _sqlite_begin)
         return engine
     kw.setdefault("pool_size", 20)
     kw.setdefault("max_overflow", 20)

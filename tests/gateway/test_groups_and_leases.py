@@ -205,3 +205,21 @@ def test_lease_drops_groups_older_than_eta(gateway: LiveGateway) -> None:
     gateway.admin.post(f"/v1/batches/{ok['batch_id']}/ack", json={})
     # reset the remembered eta so later tests see no admission control
     gateway.admin.post("/v1/batches", json={"max_head_offpolicyness": -1})
+
+
+def test_concurrent_writes_never_fail(gateway: LiveGateway) -> None:
+    """Many agents rewarding and finishing at once: every write waits its turn, none is refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    creds = [c for _ in range(8) for c in gateway.group(8)["sessions"]]
+
+    def end(cred: dict[str, Any]) -> tuple[int, int]:
+        sid = cred["session_id"]
+        r1 = gateway.admin.post(f"/v1/sessions/{sid}/reward", json={"reward": 1.0})
+        r2 = gateway.admin.post(f"/v1/sessions/{sid}/finish")
+        return r1.status_code, r2.status_code
+
+    with ThreadPoolExecutor(32) as pool:
+        codes = list(pool.map(end, creds))
+    assert codes == [(200, 200)] * len(creds)
+    drain(gateway)
