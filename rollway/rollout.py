@@ -97,9 +97,14 @@ class Runner:
         self.slots = asyncio.Semaphore(concurrency)
         self.client_timeout = client_timeout
         self.stats = Stats()
+        import openai
+
+        # The SDK's own client class (its httpx flavour), with the SDK's defaults.
+        self.agent_http = openai.DefaultAsyncHttpxClient(timeout=client_timeout)
 
     async def close(self) -> None:
         await self.http.aclose()
+        await self.agent_http.aclose()
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         failures = 0
@@ -139,12 +144,12 @@ class Runner:
         async with self.slots:
             try:
                 if self.is_async:
+                    # One connection pool for every session's client (a pool per session costs a new
+                    # connection per agent); the client is not closed here for that reason.
                     client = openai.AsyncOpenAI(base_url=cred["base_url"], api_key=cred["api_key"],
-                                                timeout=self.client_timeout, max_retries=2)
-                    try:
-                        reward = float(await self.agent(task, client))
-                    finally:
-                        await client.close()
+                                                timeout=self.client_timeout, max_retries=2,
+                                                http_client=self.agent_http)
+                    reward = float(await self.agent(task, client))
                 else:
                     sync_client = openai.OpenAI(base_url=cred["base_url"], api_key=cred["api_key"],
                                                 timeout=self.client_timeout, max_retries=2)
