@@ -37,7 +37,6 @@ import resource
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_procs import ROOT, Procs
+
+from rollway.embedded import free_port
+
 LEVELS = (1, 32, 128)
 CONFIGS = ("direct", "passthrough", "sqlite", "postgres")
 TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
@@ -186,51 +188,6 @@ def run_wrk(url: str, script: Path, conns: int, seconds: int, keys_file: str = "
 
 
 # --- processes and their CPU ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Procs:
-    """Servers started by this script, each in its own process group; `stop_all` removes every one."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = open(self.logdir / f"{name}.log", "ab")
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        self.procs[name] = proc
-        return proc
-
-    def stop(self, name: str) -> None:
-        proc = self.procs.pop(name, None)
-        if proc is None:
-            return
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-
-    def stop_all(self) -> None:
-        for name in reversed(list(self.procs)):
-            self.stop(name)
-
-    def log_tail(self, name: str) -> str:
-        path = self.logdir / f"{name}.log"
-        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
 
 def proc_table() -> dict[int, tuple[int, str, int]]:

@@ -33,8 +33,6 @@ import json
 import math
 import os
 import secrets
-import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -47,74 +45,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from bench_procs import ROOT, Procs
 
-ROOT = Path(__file__).resolve().parent.parent
+from rollway.embedded import free_port, wait_healthy
+
 TICK = 1.0 / os.sysconf("SC_CLK_TCK")
 GROUP_SIZE = 8
 MAX_TOKENS = 32
 MESSAGES = [{"role": "user", "content": "12+34="}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# --- processes -----------------------------------------------------------------------------------------
-
-
-class Procs:
-    """Servers started by this script, each in its own process group; `stop_all` removes every one."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        with open(self.logdir / f"{name}.log", "ab") as log:  # the child holds its own copy of the fd
-            proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        self.procs[name] = proc
-        return proc
-
-    def stop(self, name: str) -> None:
-        proc = self.procs.pop(name, None)
-        if proc is None:
-            return
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-
-    def stop_all(self) -> None:
-        for name in list(self.procs):
-            self.stop(name)
-
-    def log_tail(self, name: str, n: int = 2000) -> str:
-        path = self.logdir / f"{name}.log"
-        return path.read_text(errors="replace")[-n:] if path.exists() else ""
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} at {url} did not become healthy within {timeout:.0f}s")
 
 
 def proc_cpu(pid: int) -> float:
@@ -244,7 +182,7 @@ async def bench_config(name: str, backends: list[str], engine_pids: dict[str, in
     env = {**os.environ, "ROLLWAY_ADMIN_KEY": admin, "PYTHONPATH": str(ROOT)}
     gw = procs.start(f"gateway-{name}", cmd, env)
     try:
-        wait_healthy(url, gw, f"gateway ({name})")
+        wait_healthy(url, gw)
         for _ in range(100):  # the pool marks backends healthy after its first check
             listed = get_json(f"{url}/v1/backends", admin)["data"]
             if len(listed) == len(backends) and all(b["healthy"] for b in listed):
@@ -332,8 +270,8 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "rollway.cli", "--log-level", "WARNING", "engine", "--model",
                        str(model_dir), "--port", str(port)]
                 started.append((url, procs.start(f"engine{i}", cmd, env)))
-            for i, (url, proc) in enumerate(started):
-                wait_healthy(url, proc, f"engine{i}")
+            for url, proc in started:
+                wait_healthy(url, proc)
                 engines[url] = proc.pid
             urls = list(engines)
             for name, backends in (("one", urls[:1]), ("two", urls)):
