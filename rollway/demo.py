@@ -32,15 +32,12 @@ from rollway.rollout import Runner, load_agent, load_tasks, run_eval
 SFT_EXAMPLES = 1000  # the training tasks only; the held-out tasks are never seen
 SFT_BATCH = 32
 SFT_LR = 1e-3
-# The tiny model learns two-digit addition in a sudden transition whose timing depends on the seed (after 400
-# steps one seed was at 1.5% held-out accuracy, another at 39.5%). So the warm-up runs in chunks and stops once
-# its own training loss (mean NLL per answer token, the last SFT_LOSS_WINDOW steps) is below SFT_TARGET_LOSS:
-# about 0.65 nats/token leaves ~5-15% exact match when sampling at T=1, so that groups carry signal.
-SFT_CHUNK = 50
-SFT_MIN_STEPS = 150
-SFT_MAX_STEPS = 700
-SFT_TARGET_LOSS = 0.65
-SFT_LOSS_WINDOW = 20
+# The tiny model learns two-digit addition in a sudden transition whose timing depends on the seed (700 to
+# 1100+ steps of 32). So the warm-up stops on a measurement, not a step count: once the model's expected exact
+# match at T = 1 on the training tasks (the probability it gives to each whole reference answer, averaged over
+# 256 of them) reaches SFT_STOP_MATCH. RL then starts near that reward, where most groups carry signal.
+SFT_STOP_MATCH = 0.12
+SFT_MAX_STEPS = 1800
 GROUPS_PER_STEP = 4
 GROUPS_IN_FLIGHT = 16  # filtered groups free their slot at once, so keep the engine busy
 N_SAMPLES = 8
@@ -67,31 +64,29 @@ def _sft(out: Path, model: Path, tasks: list[dict[str, Any]], seed: int) -> Path
     idle = (os.cpu_count() or 1) - os.getloadavg()[0]
     os.environ["OMP_NUM_THREADS"] = "2" if idle >= 1.5 else "1"
     epochs = -(-SFT_MAX_STEPS * SFT_BATCH // min(SFT_EXAMPLES, len(tasks)))
-    steps, loss = 0, float("inf")
     try:
-        while steps < SFT_MAX_STEPS and (steps < SFT_MIN_STEPS or loss > SFT_TARGET_LOSS):
-            steps = min(steps + SFT_CHUNK, SFT_MAX_STEPS)
-            rc = _sft_run(out, model, data, seed, steps, epochs)  # resumes from the previous chunk's checkpoint
-            if rc != 0:
-                raise SystemExit(f"SFT warm-up failed (exit {rc}); see {out / 'sft'}")
-            rows = _read_steps(out / "sft" / "metrics.jsonl")[-SFT_LOSS_WINDOW:]
-            loss = statistics.fmean(float(r["loss"]) for r in rows) if rows else float("inf")
-            _log(f"SFT step {steps}: training loss {loss:.3f} (stop below {SFT_TARGET_LOSS})")
+        rc = _sft_run(out, model, data, seed, epochs)
     finally:
         if threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = threads
+    if rc != 0:
+        raise SystemExit(f"SFT warm-up failed (exit {rc}); see {out / 'sft'}")
+    rows = _read_steps(out / "sft" / "metrics.jsonl")
+    probes = [r["probe_match"] for r in rows if "probe_match" in r]
+    _log(f"SFT: {len(rows)} steps, expected exact match at T=1 {probes[-1] if probes else float('nan'):.3f}")
     return out / "sft" / "weights" / "sft-final"
 
 
-def _sft_run(out: Path, model: Path, data: Path, seed: int, steps: int, epochs: int) -> int:
+def _sft_run(out: Path, model: Path, data: Path, seed: int, epochs: int) -> int:
     from trainer.launch import main as train_main
 
     return train_main(["--mode", "sft", "--model", str(model), "--out", str(out / "sft"), "--sft-data", str(data),
-                       "--steps", str(steps), "--lr", str(SFT_LR), "--seed", str(seed), "--nproc", "1",
+                       "--steps", str(SFT_MAX_STEPS), "--lr", str(SFT_LR), "--seed", str(seed), "--nproc", "1",
                        "--sft-batch-sequences", str(SFT_BATCH), "--sft-epochs", str(epochs),
-                       "--checkpoint-every", str(10 ** 6)])  # saved once, at the chunk's last step
+                       "--sft-stop-at-match", str(SFT_STOP_MATCH), "--sft-eval-every", "25",
+                       "--checkpoint-every", str(10 ** 6)])  # saved once, at the last step
 
 
 def _read_steps(path: Path) -> list[dict[str, Any]]:
@@ -165,8 +160,8 @@ def main(args: argparse.Namespace) -> int:
 
     _log("creating the tiny model")
     model0 = create_tiny_model(out / "model-init", seed=args.seed)
-    _log(f"SFT warm-up on {min(SFT_EXAMPLES, len(tasks))} training tasks, until the training loss is below "
-         f"{SFT_TARGET_LOSS} ({SFT_MIN_STEPS}-{SFT_MAX_STEPS} steps)")
+    _log(f"SFT warm-up on {min(SFT_EXAMPLES, len(tasks))} training tasks, until the expected exact match at T=1 "
+         f"reaches {SFT_STOP_MATCH} (at most {SFT_MAX_STEPS} steps)")
     model = _sft(out, model0, tasks, args.seed)
 
     key = "rw-admin-" + secrets.token_urlsafe(24)

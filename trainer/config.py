@@ -106,6 +106,14 @@ class TrainConfig:
     """SFT: passes over the data (ignored when steps > 0 stops it sooner)."""
     sft_batch_sequences: int = 16
     """SFT: sequences per optimizer step (over all ranks)."""
+    sft_stop_at_match: float = 0.0
+    """SFT: stop once the model's expected exact-match rate at T = 1 reaches this (0 = off): the probability
+    it gives to each whole assistant reply of a probe of the training chats, averaged. An RL warm-up that
+    stops here starts RL where groups carry signal. Checked every `sft_eval_every` steps."""
+    sft_eval_every: int = 25
+    """SFT: steps between two probe measurements (logged as `probe_match`)."""
+    sft_probe_sequences: int = 256
+    """SFT: how many training chats (the first ones) the probe scores."""
 
     def resolved_admin_key(self) -> str:
         return self.admin_key or os.environ.get("ROLLWAY_ADMIN_KEY", "")
@@ -124,11 +132,15 @@ class TrainConfig:
             "micro_batch_tokens",
             "checkpoint_every",
             "sft_batch_sequences",
+            "sft_eval_every",
+            "sft_probe_sequences",
             "keep_checkpoints",
             "keep_weights",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.sft_stop_at_match <= 1:
+            raise ValueError(f"sft_stop_at_match must be in [0, 1], got {self.sft_stop_at_match}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError("clip_low must be in [0, 1) and clip_high >= 0")
         return self

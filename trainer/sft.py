@@ -17,13 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.batching import Row, plan_step
+import torch
+from torch import nn
+
+from trainer.batching import Row, collate, micro_batches, plan_step
 from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.client import GatewayClient
 from trainer.config import TrainConfig
 from trainer.fsdp import DistInfo, broadcast, load_sharded_model
 from trainer.metrics import MetricsSink
-from trainer.step import make_optimizer, sft_step
+from trainer.step import forward_logprobs, make_optimizer, sft_step
 
 
 def _ids(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool) -> list[int]:
@@ -118,6 +121,25 @@ def rows_from_sessions(
             return rows
 
 
+@torch.no_grad()
+def expected_match(model: nn.Module, rows: list[Row], device: torch.device, max_tokens: int) -> float:
+    """Mean over `rows` of P(sampling at T = 1 reproduces the row's assistant tokens exactly):
+    exp(sum of the loss tokens' logprobs), teacher-forced. One forward pass, no generation. Every rank
+    scores all rows (FSDP's collectives need every rank in each forward), so every rank gets the same value.
+    """
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    try:
+        for micro in micro_batches(rows, max_tokens):
+            mb = collate(micro, device=device)
+            logp, _ = forward_logprobs(model, mb)
+            total += float(torch.exp((logp * mb.loss_mask).sum(-1)).sum())
+    finally:
+        model.train(was_training)
+    return total / max(len(rows), 1)
+
+
 def run_sft(cfg: TrainConfig, info: DistInfo) -> None:
     from transformers import AutoTokenizer
 
@@ -161,6 +183,7 @@ def run_sft(cfg: TrainConfig, info: DistInfo) -> None:
     if ckpt is not None:
         step, _ = load_checkpoint(model, optimizer, ckpt)
     sink = MetricsSink(out, enabled=info.is_main, total_steps=total)
+    probe = rows[: cfg.sft_probe_sequences] if cfg.sft_stop_at_match > 0 else []
 
     # ---------------- loop
     try:
@@ -179,11 +202,21 @@ def run_sft(cfg: TrainConfig, info: DistInfo) -> None:
             step += 1
             metrics["step_time_s"] = time.perf_counter() - t0
             metrics["tokens"] = float(sum(len(r[0].token_ids) for r in batch))
-            if step % cfg.checkpoint_every == 0 or step == total:
+            reached = False
+            if probe and step % cfg.sft_eval_every == 0:
+                metrics["probe_match"] = expected_match(model, probe, info.device, cfg.micro_batch_tokens)
+                reached = metrics["probe_match"] >= cfg.sft_stop_at_match
+            if step % cfg.checkpoint_every == 0 or step == total or reached:
                 save_checkpoint(
                     model, optimizer, out / "checkpoints", step=step, version=0, keep=cfg.keep_checkpoints
                 )
             sink.log(step, metrics)
+            if reached:
+                sink.note(
+                    f"SFT: expected exact match {metrics['probe_match']:.3f} >= {cfg.sft_stop_at_match} "
+                    f"at step {step}; stopping"
+                )
+                break
         export_hf(model, source, out / "weights" / "sft-final")
     finally:
         sink.close()

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from trainer.config import load_config
 from trainer.fsdp import init_distributed
-from trainer.sft import chat_row, run_sft
+from trainer.sft import chat_row, expected_match, run_sft
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -61,6 +61,49 @@ def test_sft_run_lowers_nll(dist_env: None, tiny_model: Path, tmp_path: Path) ->
     assert records[-1]["nll"] < 0.7 * records[0]["nll"], [r["nll"] for r in records]
     assert (tmp_path / "out" / "weights" / "sft-final" / "model.safetensors").is_file()
     assert (tmp_path / "out" / "checkpoints" / "step_00000008").is_dir()  # the last step is always saved
+
+
+def test_expected_match_is_the_probability_of_sampling_the_reply(tiny_model: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rows = [chat_row(tok, CHAT[:3]), chat_row(tok, CHAT)]
+    # by hand: P(reply) = prod over loss tokens of softmax(logits)[token], one full forward pass per row
+    want = []
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r.token_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            picked = logp.gather(-1, ids[0, 1:, None])[:, 0]
+            want.append(float(torch.exp((picked * torch.tensor(r.loss_mask[1:], dtype=torch.float32)).sum())))
+    model.train()
+    got = expected_match(model, rows, torch.device("cpu"), max_tokens=8192)
+    assert got == pytest.approx(sum(want) / 2, rel=1e-4)
+    assert 0 < got < 1
+    assert model.training  # restored
+
+
+def test_sft_stops_once_the_expected_match_is_reached(dist_env: None, tiny_model: Path, tmp_path: Path) -> None:
+    data = tmp_path / "chats.jsonl"
+    short = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    data.write_text("\n".join(json.dumps({"messages": short}) for _ in range(8)) + "\n")
+    cfg = load_config(
+        None,
+        {
+            "mode": "sft", "model": str(tiny_model), "out": str(tmp_path / "out"), "sft_data": str(data),
+            "sft_epochs": 50, "sft_batch_sequences": 4, "lr": 1e-2, "checkpoint_every": 1000,
+            "sft_stop_at_match": 0.5, "sft_eval_every": 2,
+        },
+    )  # fmt: skip
+    run_sft(cfg, init_distributed(force_cpu=True))
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    probes = [r["probe_match"] for r in records if "probe_match" in r]
+    assert len(records) < 100, "never stopped"  # 50 epochs x 8 chats / 4 per step = 100 steps without the stop
+    assert probes[-1] >= 0.5 and all(p < 0.5 for p in probes[:-1]), probes
+    assert len(records) % 2 == 0  # it stops only on a measured step
+    assert (tmp_path / "out" / "weights" / "sft-final" / "model.safetensors").is_file()
 
 
 def test_bad_jsonl_names_the_line(tiny_model: Path, tmp_path: Path) -> None:
