@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.errors import GatewayError, error_body
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, RequestMetrics
 from gateway.pool import Backend, BackendPool
 from gateway.sessions_cache import SessionCache
 from gateway.settings import Settings
@@ -134,6 +134,7 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
     app = FastAPI(title="rollway gateway", lifespan=lifespan)
     app.state.admin_key = admin_key
     _install_error_handlers(app)
+    app.add_middleware(RequestMetrics)
     from gateway.routes import backends, groups, openai_api, responses, system, training
 
     app.include_router(openai_api.router)

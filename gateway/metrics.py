@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
@@ -24,6 +27,14 @@ class Metrics:
         self.weight_version = Gauge("rollway_weight_version", "Current weight version", registry=r)
         self.stale_dropped = Counter("rollway_groups_dropped_stale_total", "Groups dropped as stale", registry=r)
         self.admission_refused = Counter("rollway_admission_refused_total", "429s from staleness control", registry=r)
+        self.eval_reward = Gauge(
+            "rollway_eval_mean_reward", "Mean session reward of complete eval groups", ["version"], registry=r
+        )
+        self.eval_pass = Gauge(
+            "rollway_eval_pass_at_k", "Share of eval groups with a rewarded session (k = group size)",
+            ["version", "k"], registry=r,
+        )
+        self.eval_groups = Gauge("rollway_eval_groups", "Complete eval groups", ["version"], registry=r)
         self.publish_seconds = Histogram("rollway_weight_publish_seconds", "Weight publish time", registry=r)
 
     def turn_stored(
@@ -44,5 +55,41 @@ class Metrics:
         for state, n in counts.get("sessions", {}).items():
             self.sessions.labels(state).set(n)
 
+    def set_eval(self, summary: dict[str, dict[str, float]]) -> None:
+        for version, s in summary.items():
+            self.eval_reward.labels(version).set(s["mean_reward"])
+            self.eval_pass.labels(version, str(int(s["k"]))).set(s["pass_at_k"])
+            self.eval_groups.labels(version).set(s["groups"])
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestMetrics:
+    """ASGI middleware: counts every HTTP request by route template and status, and times it (a stream to
+    its last chunk). Routes are templates (`/v1/sessions/{session_id}`), so labels stay few."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            metrics: Metrics | None = getattr(scope["app"].state, "metrics", None)
+            if metrics is not None:
+                route = getattr(scope.get("route"), "path", "unmatched")
+                metrics.requests.labels(route, str(status)).inc()
+                metrics.latency.labels(route).observe(time.perf_counter() - t0)

@@ -90,6 +90,11 @@ def _sft_run(out: Path, model: Path, data: Path, seed: int, epochs: int) -> int:
                        "--checkpoint-every", str(10 ** 6)])  # saved once, at the last step
 
 
+def _append_json(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def _read_steps(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
@@ -101,7 +106,8 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
     agent = load_agent(agent_file("arithmetic.py"))
     runner = Runner(gateway, key, agent, concurrency=GROUPS_IN_FLIGHT * N_SAMPLES)
     try:
-        start_eval = await run_eval(runner, eval_tasks, 1, 0)
+        start_eval = await run_eval(runner, eval_tasks, 1, await runner.weight_version())
+        _append_json(out / "eval.jsonl", start_eval)
         _log(f"held-out greedy accuracy before RL: {start_eval['eval_mean_reward']:.3f}")
         log = open(out / "trainer.log", "ab")
         trainer = subprocess.Popen(train_cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -133,7 +139,8 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
             for t in in_flight:
                 t.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
-        end_eval = await run_eval(runner, eval_tasks, 1, -1)
+        end_eval = await run_eval(runner, eval_tasks, 1, await runner.weight_version())
+        _append_json(out / "eval.jsonl", end_eval)
         _log(f"held-out greedy accuracy after RL: {end_eval['eval_mean_reward']:.3f}")
         return {"start": start_eval["eval_mean_reward"], "end": end_eval["eval_mean_reward"],
                 "trainer_rc": trainer.returncode}
@@ -144,7 +151,7 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
 def main(args: argparse.Namespace) -> int:
     t0 = time.time()
     out = Path(args.out).resolve()
-    for sub in ("model-init", "sft", "train", "rollway.db", "rollway.db-wal", "rollway.db-shm"):
+    for sub in ("model-init", "sft", "train", "eval.jsonl", "rollway.db", "rollway.db-wal", "rollway.db-shm"):
         target = out / sub
         if target.is_dir():
             shutil.rmtree(target)
@@ -195,10 +202,10 @@ def main(args: argparse.Namespace) -> int:
     first = statistics.fmean(rewards[:3]) if rewards else 0.0
     last = statistics.fmean(rewards[-3:]) if rewards else 0.0
     plot = out / "train" / "rewards.png"
-    if rows and not plot.exists():
+    if rows:  # again, now with the held-out evals on it
         from trainer.plot import plot_rewards
 
-        plot_rewards(out / "train" / "metrics.jsonl", plot)
+        plot_rewards(out / "train" / "metrics.jsonl", plot, out / "eval.jsonl")
     print("\n step  reward  filtered  loss")
     for r in rows:
         print(f" {r.get('step', 0):>4}  {r.get('reward_mean', 0):.3f}   {r.get('groups_filtered', 0):>5}     "

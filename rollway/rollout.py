@@ -127,11 +127,14 @@ class Runner:
             return r.json() if r.content else {}
 
     async def run_group(self, task: dict[str, Any], n_samples: int, *, eval_group: bool = False,
-                        sampling: dict[str, Any] | None = None) -> list[float | None]:
+                        sampling: dict[str, Any] | None = None,
+                        metadata: dict[str, Any] | None = None) -> list[float | None]:
         """Create a group, run every session; returns each session's reward (None = failed)."""
         body: dict[str, Any] = {"task": task, "n_samples": n_samples, "eval": eval_group}
         if sampling:
             body["sampling"] = sampling
+        if metadata:
+            body["metadata"] = metadata
         group = await self._post("/v1/groups", body)
         rewards = await asyncio.gather(*(self._run_session(task, s) for s in group["sessions"]))
         self.stats.groups_done += 1
@@ -196,9 +199,13 @@ def task_stream(tasks: list[dict[str, Any]], epochs: int, shuffle: bool, seed: i
 
 
 async def run_eval(runner: Runner, tasks: list[dict[str, Any]], k: int, version: int) -> dict[str, Any]:
-    """Held-out tasks as eval groups: greedy when k == 1, else sampled; mean reward and pass@k."""
+    """Held-out tasks as eval groups: greedy when k == 1, else sampled; mean reward and pass@k. The groups carry
+    `{"eval_version": version}`, so the gateway's /metrics reports the same figures per version."""
     sampling = {"temperature": 0.0 if k == 1 else 1.0}
-    results = await asyncio.gather(*(runner.run_group(t, k, eval_group=True, sampling=sampling) for t in tasks))
+    meta = {"eval_version": version}
+    results = await asyncio.gather(
+        *(runner.run_group(t, k, eval_group=True, sampling=sampling, metadata=meta) for t in tasks)
+    )
     flat = [r for rs in results for r in rs if r is not None]
     passed = [any((r or 0) > 0 for r in rs) for rs in results]
     return {"version": version, "eval_mean_reward": sum(flat) / max(1, len(flat)),

@@ -88,6 +88,8 @@ class TrainConfig:
     """HF folder of the KL reference; empty = --model (else the weights training started from)."""
 
     # --- checkpoints and publishing ---
+    eval_log: str = ""
+    """An eval log (`rollway rollout --eval-log`) drawn on the final reward plot, per weight version."""
     checkpoint_every: int = 1
     """Durable checkpoint (model, optimizer, step, version) every K steps. Groups are acked only then."""
     keep_checkpoints: int = 2

@@ -6,8 +6,25 @@ import json
 from pathlib import Path
 
 
-def plot_rewards(jsonl_path: str | Path, png_path: str | Path) -> Path | None:
-    """Reward mean per step with a +/- std band; None when the log has no reward yet."""
+def read_eval(path: str | Path | None) -> list[tuple[int, float, float | None, str]]:
+    """(version, mean reward, pass@k, "pass@k") per line of an eval log (`rollway rollout --eval-log`)."""
+    if not path or not Path(path).is_file():
+        return []
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        key = next((k for k in rec if k.startswith("pass@")), "")
+        out.append((int(rec["version"]), float(rec["eval_mean_reward"]), rec.get(key), key))
+    return out
+
+
+def plot_rewards(
+    jsonl_path: str | Path, png_path: str | Path, eval_path: str | Path | None = None
+) -> Path | None:
+    """Reward mean per step with a +/- std band, and the held-out eval per weight version when an eval log
+    is given (version v is the weights after step v); None when the log has no reward yet."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -31,7 +48,14 @@ def plot_rewards(jsonl_path: str | Path, png_path: str | Path) -> Path | None:
         alpha=0.2,
         label="± std",
     )
-    ax.set_xlabel("trainer step")
+    evals = read_eval(eval_path)
+    if evals:
+        ax.plot([e[0] for e in evals], [e[1] for e in evals], "s--", color="tab:green", label="held-out mean reward")
+        with_pass = [e for e in evals if e[2] is not None and e[3] != "pass@1"]  # pass@1 = the mean for k = 1
+        if with_pass:
+            ax.plot([e[0] for e in with_pass], [float(e[2] or 0.0) for e in with_pass], "^:", color="tab:red",
+                    label=f"held-out {with_pass[0][3]}")
+    ax.set_xlabel("trainer step (= weight version)")
     ax.set_ylabel("session reward")
     ax.set_title("rollway: reward per step")
     ax.grid(alpha=0.3)

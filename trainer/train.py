@@ -244,7 +244,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             client.close()
         sink.close()
         if info.is_main and sink.jsonl_path.exists():
-            plot_rewards(sink.jsonl_path, out / "rewards.png")
+            plot_rewards(sink.jsonl_path, out / "rewards.png", cfg.eval_log or None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,4 +21,5 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     m = request.app.state.metrics
     m.set_counts(await request.app.state.store.counts())
+    m.set_eval(await request.app.state.store.eval_summary())
     return Response(m.render(), media_type="text/plain; version=0.0.4")

@@ -285,6 +285,35 @@ class Store:
             rows = (await conn.execute(q.limit(limit))).mappings().all()
         return [dict(r) for r in rows]
 
+    async def eval_summary(self) -> dict[str, dict[str, float]]:
+        """Complete eval groups by `metadata.eval_version` (what `rollway rollout` sets; "unknown" without):
+        mean session reward, pass@k (share of groups with a session reward > 0; k = the groups' size, the
+        largest when sizes differ) and the number of groups."""
+        q = (
+            select(G.c.id, G.c["metadata"], G.c.n_samples, S.c.reward)
+            .join(S, S.c.group_id == G.c.id)
+            .where(and_(G.c.is_eval.is_(True), G.c.state == "complete", S.c.state == "finished"))
+        )
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(q)).all()
+        by_version: dict[str, dict[str, list[float]]] = {}
+        sizes: dict[str, int] = {}
+        for gid, meta, n, reward in rows:
+            version = meta.get("eval_version") if isinstance(meta, dict) else None
+            label = str(version) if isinstance(version, int) and not isinstance(version, bool) else "unknown"
+            by_version.setdefault(label, {}).setdefault(gid, []).append(float(reward or 0.0))
+            sizes[label] = max(sizes.get(label, 0), int(n))
+        out = {}
+        for label, groups in by_version.items():
+            rewards = [r for rs in groups.values() for r in rs]
+            out[label] = {
+                "mean_reward": sum(rewards) / len(rewards),
+                "pass_at_k": sum(1 for rs in groups.values() if any(r > 0 for r in rs)) / len(groups),
+                "k": float(sizes[label]),
+                "groups": float(len(groups)),
+            }
+        return out
+
     async def counts(self) -> dict[str, dict[str, int]]:
         async with self.engine.connect() as conn:
             g = (await conn.execute(select(G.c.state, func.count()).group_by(G.c.state))).all()

@@ -223,3 +223,25 @@ def test_concurrent_writes_never_fail(gateway: LiveGateway) -> None:
         codes = list(pool.map(end, creds))
     assert codes == [(200, 200)] * len(creds)
     drain(gateway)
+
+
+def test_metrics_report_eval_reward_and_pass_at_k_per_version(gateway: LiveGateway) -> None:
+    def eval_group(version: int, rewards: list[float]) -> None:
+        r = gateway.admin.post("/v1/groups", json={"task": "held-out", "n_samples": len(rewards), "eval": True,
+                                                   "metadata": {"eval_version": version}})
+        assert r.status_code == 201, r.text
+        for cred, reward in zip(r.json()["sessions"], rewards, strict=True):
+            play(gateway, cred, reward)
+
+    eval_group(7001, [1.0, 0.0])
+    eval_group(7001, [0.0, 0.0])
+    eval_group(7002, [1.0, 1.0])
+    text = gateway.admin.get("/metrics").text
+    # version 7001: rewards 1, 0, 0, 0 -> mean 0.25; one group of two has a success -> pass@2 = 0.5
+    assert 'rollway_eval_mean_reward{version="7001"} 0.25' in text
+    assert 'rollway_eval_pass_at_k{k="2",version="7001"} 0.5' in text
+    assert 'rollway_eval_groups{version="7001"} 2.0' in text
+    assert 'rollway_eval_mean_reward{version="7002"} 1.0' in text
+    assert 'rollway_turns_total{continuity="new-chain"}' in text  # the per-process counters are there too
+    assert 'rollway_requests_total{route="/v1/sessions/{session_id}/reward",status="200"}' in text
+    assert 'rollway_request_seconds_count{route="/v1/chat/completions"}' in text
