@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import jinja2
+import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -174,6 +175,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         # The model's chat template refused the conversation (e.g. roles in an order it does not allow).
         return JSONResponse(error_body(f"the chat template refused these messages: {exc}", "invalid_request_error",
                                        "messages"), status_code=400)
+
+    @app.exception_handler(sqlalchemy.exc.OperationalError)
+    async def _store_busy(_: Request, exc: sqlalchemy.exc.OperationalError) -> JSONResponse:
+        # SQLite's write lock held past busy_timeout (another process on the file), or the database away:
+        # nothing of this request was stored; the client may retry.
+        log.warning("store unavailable: %s", exc.orig)
+        return JSONResponse(error_body("the trajectory store is busy or unreachable; retry", "server_error",
+                                       code="store_unavailable"), status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -55,7 +55,7 @@ async def add_backend(request: Request) -> Response:
         state.pool.remove(backend.id)
         raise ServiceUnavailable(f"backend {url} is not usable: {e}", retry_after=5) from e
     state.pool.mark_healthy(backend)
-    async with state.store.engine.begin() as conn:
+    async with state.store.begin() as conn:
         if (await conn.execute(select(BR.c.id).where(BR.c.url == url))).first() is None:
             await conn.execute(BR.insert().values(id=backend.id, url=url, created_at=time.time(), enabled=True))
     return json_response(backend_json(backend), status=201)
@@ -69,6 +69,6 @@ async def remove_backend(request: Request, backend_id: str) -> Response:
         backend = state.pool.remove(backend_id)
     except KeyError:
         raise NotFound(f"no backend {backend_id}") from None
-    async with state.store.engine.begin() as conn:
+    async with state.store.begin() as conn:
         await conn.execute(delete(BR).where(BR.c.url == backend.url))
     return json_response({"id": backend_id, "removed": True})

@@ -50,17 +50,19 @@ class Leases:
     async def publish(self, version: int, model_path: str, batch_ids: list[str], results: dict[str, str],
                       failed: dict[str, str]) -> None:
         """Bump the version and ack the batches in one transaction."""
-        async with self.engine.begin() as conn:
+        async with self.store.begin() as conn:
             cur = (await conn.execute(select(func.max(W.c.version)))).scalar() or 0
             if version <= cur:
                 raise Conflict(f"version {version} is not newer than the current version {cur}", param="version")
             await conn.execute(W.insert().values(version=version, model_path=model_path,
                                                  batch_id=",".join(batch_ids)[:64] or None,
                                                  published_at=time.time(), failed_backends=failed or None))
-            for batch_id in batch_ids:
-                mine = {g: r for g, r in results.items() if g in await self._groups_of(conn, batch_id)}
-                await self._ack(conn, batch_id, mine, version)
-            leftover = set(results) - {g for b in batch_ids for g in await self._groups_of(conn, b)}
+            covered: set[str] = set()
+            for batch_id in batch_ids:  # one query per batch (not per group: that held the write lock 10 s+)
+                ours = await self._groups_of(conn, batch_id)
+                covered |= ours
+                await self._ack(conn, batch_id, {g: r for g, r in results.items() if g in ours}, version)
+            leftover = set(results) - covered
             if leftover:
                 raise Conflict(f"groups {sorted(leftover)[:3]} are in none of the published batches", param="results")
 
@@ -78,7 +80,7 @@ class Leases:
 
     async def expire(self) -> int:
         now = time.time()
-        async with self.engine.begin() as conn:
+        async with self.store.begin() as conn:
             ids = (await conn.execute(select(B.c.id).where(and_(B.c.state == "leased", B.c.expires_at < now)))).scalars().all()
             if not ids:
                 return 0
@@ -96,7 +98,7 @@ class Leases:
         batch_id = new_id("batch_")
         now = time.time()
         expires = now + req.lease_seconds
-        async with self.engine.begin() as conn:
+        async with self.store.begin() as conn:
             cands = (
                 await conn.execute(
                     select(G.c.id).where(and_(G.c.state == "complete", G.c.is_eval.is_(False)))
@@ -125,10 +127,10 @@ class Leases:
                 del s["_oldest"]
             groups.append(g)
         if stale:
-            async with self.engine.begin() as conn:
+            async with self.store.begin() as conn:
                 await conn.execute(update(G).where(G.c.id.in_(stale)).values(state="dropped", drop_reason="stale"))
         if not groups:
-            async with self.engine.begin() as conn:
+            async with self.store.begin() as conn:
                 await conn.execute(update(B).where(B.c.id == batch_id).values(state="acked"))
             return None, 0.0, [], len(stale)
         return batch_id, expires, groups, len(stale)
@@ -157,7 +159,7 @@ class Leases:
     async def renew(self, batch_id: str, lease_seconds: float) -> float:
         await self.expire()
         expires = time.time() + lease_seconds
-        async with self.engine.begin() as conn:
+        async with self.store.begin() as conn:
             await self._live_batch(batch_id, conn)
             await conn.execute(update(B).where(B.c.id == batch_id).values(expires_at=expires))
         return expires
@@ -165,7 +167,7 @@ class Leases:
     async def ack(self, batch_id: str, results: dict[str, str]) -> None:
         """Close groups with nothing to publish. Only the listed groups (all of them when none are
         listed, as "filtered"); the batch closes once none of its groups is still leased."""
-        async with self.engine.begin() as conn:
+        async with self.store.begin() as conn:
             await self._ack(conn, batch_id, results, None)
 
     async def _ack(self, conn: Any, batch_id: str, results: dict[str, str], version: int | None) -> None:
@@ -209,7 +211,7 @@ class Leases:
 
     async def _remember_params(self, req: LeaseRequest) -> None:
         values = {"groups_per_step": req.groups_per_step, "max_head_offpolicyness": req.max_head_offpolicyness}
-        async with self.engine.begin() as conn:
+        async with self.store.begin() as conn:
             for key, value in values.items():
                 if value is None:
                     continue

@@ -6,9 +6,12 @@ transaction that changes a session, so a group's state is never ahead of or behi
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -67,6 +70,20 @@ class TurnRow:
 class Store:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        # SQLite has one writer at a time; a writer that finds the lock taken sleeps in SQLite's busy handler
+        # (up to 100 ms a try) rather than being woken when it frees. Measured in the demo: reward and finish
+        # took 125 ms on average that way. So this process's writers queue here, in order, instead.
+        self._write_lock = asyncio.Lock() if engine.dialect.name == "sqlite" else None
+
+    @contextlib.asynccontextmanager
+    async def begin(self) -> AsyncIterator[AsyncConnection]:
+        """A write transaction (every write goes through here; never nest two)."""
+        if self._write_lock is None:
+            async with self.engine.begin() as conn:
+                yield conn
+            return
+        async with self._write_lock, self.engine.begin() as conn:
+            yield conn
 
     # --- groups and sessions ---------------------------------------------------------------------
 
@@ -83,7 +100,7 @@ class Store:
         now = time.time()
         gid = new_id("grp_")
         creds = [(new_id("sess_"), "rw-" + secrets.token_urlsafe(32)) for _ in range(n_samples)]
-        async with self.engine.begin() as conn:
+        async with self.begin() as conn:
             await conn.execute(
                 G.insert().values(
                     id=gid, task=task, n_samples=n_samples, state="open", is_eval=is_eval,
@@ -123,7 +140,7 @@ class Store:
     async def insert_turn(self, session_id: str, values: dict[str, Any]) -> int:
         """Store one turn and bump the session's turn count; returns the turn's seq. Durable on return."""
         now = time.time()
-        async with self.engine.begin() as conn:
+        async with self.begin() as conn:
             seq = (
                 await conn.execute(
                     update(S)
@@ -140,7 +157,7 @@ class Store:
     async def set_reward(
         self, session_id: str, reward: float | None, turn_rewards: list[tuple[str, float]] | None
     ) -> None:
-        async with self.engine.begin() as conn:
+        async with self.begin() as conn:
             sess = await self._session_for_update(conn, session_id)
             gstate = (await conn.execute(select(G.c.state).where(G.c.id == sess.group_id))).scalar_one()
             locked = gstate in ("leased", "trained")
@@ -172,7 +189,7 @@ class Store:
     async def end_session(self, session_id: str, state: str, reason: str | None) -> str:
         """finish or abandon; returns the session's state after the call (idempotent for the same end)."""
         assert state in ("finished", "abandoned")
-        async with self.engine.begin() as conn:
+        async with self.begin() as conn:
             sess = await self._session_for_update(conn, session_id)
             if sess.state == state:
                 return state
@@ -192,7 +209,7 @@ class Store:
     async def abandon_idle(self, idle_s: float) -> int:
         """Abandon sessions idle longer than `idle_s`; returns how many."""
         cutoff = time.time() - idle_s
-        async with self.engine.begin() as conn:
+        async with self.begin() as conn:
             rows = (
                 await conn.execute(
                     select(S.c.id, S.c.group_id).where(and_(S.c.state == "active", S.c.last_active_at < cutoff))
