@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -182,7 +183,10 @@ def run_eta(eta: int, model: Path, args: argparse.Namespace, tasks: list[dict[st
         rollouts = asyncio.run(drive(gateway, key, trainer, metrics, args.steps, args.in_flight, tasks,
                                      t_start + args.timeout_minutes * 60))
         rows = _read_steps(metrics)[: args.steps]
-        if len(rows) < args.steps and trainer.poll() not in (None, 0):
+        if len(rows) == args.steps:  # let it write its reward plot and exit, rather than stop it mid-way
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                trainer.wait(30)
+        elif trainer.poll() not in (None, 0):
             raise RuntimeError(f"η = {eta}: the trainer exited with {trainer.returncode} after {len(rows)} "
                                f"steps:\n{procs.log_tail('trainer')}")
         counters = scrape(gateway)

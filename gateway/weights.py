@@ -79,6 +79,10 @@ class Admission:
         self.leases = leases
         self.settings = settings
         self.metrics = metrics
+        self.lock = asyncio.Lock()
+        """Held from the count to the insert of the group it admits: concurrent creations passed the same
+        count and one more group than the budget started (seen at eta = 0). Per process; gateways sharing a
+        PostgreSQL store can still overshoot by one group each, and the lease-side staleness check stays."""
 
     async def check(self) -> None:
         ok, counted, limit = await self.leases.admission(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -27,13 +29,14 @@ async def create_group(request: Request) -> Response:
     await admin(request)
     body = await read_body(request, CreateGroupRequest)
     admission = getattr(request.app.state, "admission", None)
-    if admission is not None and not body.eval:
-        await admission.check()
     sampling = (body.sampling or SamplingPolicy()).model_dump()
     store: Store = request.app.state.store
-    gid, creds = await store.create_group(
-        body.task, body.n_samples, sampling=sampling, metadata=body.metadata, is_eval=body.eval
-    )
+    async with admission.lock if admission is not None and not body.eval else contextlib.nullcontext():
+        if admission is not None and not body.eval:
+            await admission.check()
+        gid, creds = await store.create_group(
+            body.task, body.n_samples, sampling=sampling, metadata=body.metadata, is_eval=body.eval
+        )
     base = public_base(request)
     return json_response({
         "group_id": gid,

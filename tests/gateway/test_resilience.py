@@ -136,3 +136,18 @@ def test_staleness_admission(tiny_model_dir: Path, tmp_path: Path) -> None:
         for s in g.admin.get(f"/v1/groups/{gid}").json()["sessions"]:
             g.admin.post(f"/v1/sessions/{s['id']}/abandon", json={})
         assert g.admin.post("/v1/groups", json={"task": 1, "n_samples": 2}).status_code == 201
+
+
+def test_concurrent_group_creation_never_passes_the_budget(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gateway.store.db import upgrade
+
+    url = f"sqlite:///{tmp_path / 'race.db'}"
+    upgrade(url)
+    with FakeSGLang() as fake, LiveGateway(backends=[fake.url], tokenizer=str(tiny_model_dir), db=url) as g:
+        g.admin.post("/v1/batches", json={"groups_per_step": 3, "max_head_offpolicyness": 0})
+        with ThreadPoolExecutor(12) as pool:  # 12 at once for a budget of (0 + 0 + 1) * 3 = 3
+            codes = list(pool.map(lambda _: g.admin.post("/v1/groups", json={"task": 1, "n_samples": 2}).status_code,
+                                  range(12)))
+        assert sorted(codes) == [201] * 3 + [429] * 9, codes
