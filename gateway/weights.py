@@ -92,5 +92,5 @@ class Admission:
             self.metrics.admission_refused.inc()
             raise TooManyRequests(
                 f"staleness control: {counted} groups started for at most {limit} at this weight version; "
-                "retry after the trainer publishes", code="staleness_limit", retry_after=2,
+                "retry after the trainer publishes", code="staleness_limit", retry_after=1,
             )
