@@ -15,7 +15,7 @@ admission set to η and B from its first group (ROLLWAY_MAX_HEAD_OFFPOLICYNESS a
 ROLLWAY_DEFAULT_GROUPS_PER_STEP; without them it admits without limit until the trainer's first lease); the
 trainer as the demo starts it (`rollway train`, B = 8 groups of 8 samples a step, lr 1e-4, advantages /
 group std, wait 5 s); and this process keeping --in-flight groups running through `Runner.run_group` (a 429
-from staleness control makes the runner wait the Retry-After, 2 s). It stops when the trainer has logged
+from staleness control makes the runner wait the Retry-After, 1 s). It stops when the trainer has logged
 step N (or at --timeout-minutes). Every child runs with OMP_NUM_THREADS=1.
 
 Columns (from the trainer's metrics.jsonl, except samples/s and 429s):
