@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -150,6 +151,8 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
 
 def main(args: argparse.Namespace) -> int:
     t0 = time.time()
+    # SIGTERM unwinds like Ctrl-C, so every child (SFT torchrun, engine, gateway, trainer) is stopped on the way.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     out = Path(args.out).resolve()
     for sub in ("model-init", "sft", "train", "eval.jsonl", "rollway.db", "rollway.db-wal", "rollway.db-shm"):
         target = out / sub

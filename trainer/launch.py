@@ -70,7 +70,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollway train: {e}", file=sys.stderr)
         return 2
     print(f"rollway train: {nproc} process(es); config in {cfg.out}/config.json", file=sys.stderr)
-    return subprocess.run(cmd, env=env, check=False).returncode
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait()
+    except BaseException:  # Ctrl-C, or SIGTERM turned into SystemExit by the caller: never leave torchrun behind
+        proc.terminate()  # torchrun forwards it to its workers
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
 
 
 if __name__ == "__main__":
