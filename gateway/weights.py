@@ -10,8 +10,10 @@ only after it loaded the current version (`sync_backend`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from gateway.errors import ServiceUnavailable, TooManyRequests
@@ -79,10 +81,17 @@ class Admission:
         self.leases = leases
         self.settings = settings
         self.metrics = metrics
-        self.lock = asyncio.Lock()
-        """Held from the count to the insert of the group it admits: concurrent creations passed the same
-        count and one more group than the budget started (seen at eta = 0). Per process; gateways sharing a
-        PostgreSQL store can still overshoot by one group each, and the lease-side staleness check stays."""
+        self._lock = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        """Check the budget and hold it until the caller has inserted the group it admits: concurrent
+        creations passed the same count and one more group than the budget started (seen at eta = 0). Per
+        process; gateways sharing a PostgreSQL store can still overshoot by one group each, and the
+        lease-side staleness check stays."""
+        async with self._lock:
+            await self.check()
+            yield
 
     async def check(self) -> None:
         ok, counted, limit = await self.leases.admission(

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from rollway.embedded import engine_process, free_port, stop, wait_healthy
 from rollway.paths import agent_file
-from rollway.rollout import Runner, load_agent, load_tasks, run_eval
+from rollway.rollout import Runner, append_line, load_agent, load_tasks, run_eval
 
 # Tuned on this 2-core machine (see the closing notes of the trainer issue for the sweep).
 SFT_EXAMPLES = 1000  # the training tasks only; the held-out tasks are never seen
@@ -91,11 +91,6 @@ def _sft_run(out: Path, model: Path, data: Path, seed: int, epochs: int) -> int:
                        "--checkpoint-every", str(10 ** 6)])  # saved once, at the last step
 
 
-def _append_json(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def _read_steps(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
@@ -108,7 +103,7 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
     runner = Runner(gateway, key, agent, concurrency=GROUPS_IN_FLIGHT * N_SAMPLES)
     try:
         start_eval = await run_eval(runner, eval_tasks, 1, await runner.weight_version())
-        _append_json(out / "eval.jsonl", start_eval)
+        append_line(str(out / "eval.jsonl"), json.dumps(start_eval))
         _log(f"held-out greedy accuracy before RL: {start_eval['eval_mean_reward']:.3f}")
         log = open(out / "trainer.log", "ab")
         trainer = subprocess.Popen(train_cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -141,7 +136,7 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
                 t.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
         end_eval = await run_eval(runner, eval_tasks, 1, await runner.weight_version())
-        _append_json(out / "eval.jsonl", end_eval)
+        append_line(str(out / "eval.jsonl"), json.dumps(end_eval))
         _log(f"held-out greedy accuracy after RL: {end_eval['eval_mean_reward']:.3f}")
         return {"start": start_eval["eval_mean_reward"], "end": end_eval["eval_mean_reward"],
                 "trainer_rc": trainer.returncode}

@@ -236,7 +236,7 @@ async def rollout(args: argparse.Namespace, admin_key: str) -> Stats:
                 if v % args.eval_every == 0 and v != last_eval:
                     last_eval = v
                     res = await run_eval(runner, eval_tasks, args.eval_n_samples, v)
-                    await asyncio.to_thread(_append_line, args.eval_log, json.dumps(res))
+                    await asyncio.to_thread(append_line, args.eval_log, json.dumps(res))
                     tqdm.write(f"eval at version {v}: {res}")
             in_flight.add(asyncio.ensure_future(runner.run_group(task, args.n_samples)))
         for d in asyncio.as_completed(in_flight):
@@ -258,7 +258,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _append_line(path: str, line: str) -> None:
+def append_line(path: str, line: str) -> None:
     with open(path, "a") as f:
         f.write(line + "\n")
 

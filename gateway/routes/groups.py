@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -28,12 +27,10 @@ def public_base(request: Request) -> str:
 async def create_group(request: Request) -> Response:
     await admin(request)
     body = await read_body(request, CreateGroupRequest)
-    admission = getattr(request.app.state, "admission", None)
+    admission = None if body.eval else getattr(request.app.state, "admission", None)  # eval: outside the budget
     sampling = (body.sampling or SamplingPolicy()).model_dump()
     store: Store = request.app.state.store
-    async with admission.lock if admission is not None and not body.eval else contextlib.nullcontext():
-        if admission is not None and not body.eval:
-            await admission.check()
+    async with admission.admit() if admission is not None else contextlib.nullcontext():
         gid, creds = await store.create_group(
             body.task, body.n_samples, sampling=sampling, metadata=body.metadata, is_eval=body.eval
         )
