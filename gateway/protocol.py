@@ -193,6 +193,8 @@ class RewardRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reward: float | None = None
     turn_rewards: list[TurnReward] | None = None
+    finish: bool = False
+    """Also finish the session, in the same transaction (one request instead of two)."""
 
 
 class AbandonRequest(BaseModel):

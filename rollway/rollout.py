@@ -165,8 +165,7 @@ class Runner:
                 self.stats.sessions_failed += 1
                 await self._post(f"/v1/sessions/{sid}/abandon", {"reason": f"agent_error: {type(e).__name__}"[:120]})
                 return None
-            await self._post(f"/v1/sessions/{sid}/reward", {"reward": reward})
-            await self._post(f"/v1/sessions/{sid}/finish", {})
+            await self._post(f"/v1/sessions/{sid}/reward", {"reward": reward, "finish": True})
             self.stats.sessions_done += 1
             self.stats.rewards.append(reward)
             return reward

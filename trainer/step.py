@@ -1,7 +1,10 @@
 """One trainer step on one rank: the passes over its micro-batches and the optimizer steps.
 
-`rl_step` = a no-grad proximal pass over the whole batch with the pre-update weights (and a reference pass
-when kl_coef > 0), then per minibatch: forward + backward per micro-batch, clip, optimizer step.
+`rl_step` = a no-grad proximal pass with the pre-update weights over every minibatch but the first (and a
+reference pass when kl_coef > 0), then per minibatch: forward + backward per micro-batch, clip, optimizer step.
+The first minibatch needs no proximal pass: its forward runs before any optimizer step, i.e. with the
+proximal weights themselves, so its own logprobs (detached) are the proximal logprobs. With one optimizer
+step per batch (the default) that saves a third of the step's compute.
 `sft_step` = the same minibatch loop with the NLL loss. Both return metrics summed over all ranks.
 
 FSDP averages gradients over ranks; each rank's loss is its share of the step's global mean, so it is
@@ -121,7 +124,8 @@ def rl_step(
     ref_model: nn.Module | None = None,
 ) -> dict[str, float]:
     batches = collate_plan(plan, device)
-    proximal = score_all(model, batches)  # pre-update weights, before the first optimizer step
+    # pre-update weights, before the first optimizer step; minibatch 0 uses its own forward (see above)
+    proximal: list[list[Tensor] | None] = [None, *score_all(model, batches[1:])]
     reference = score_all(ref_model, batches) if params.kl_coef > 0 and ref_model is not None else None
 
     def loss_fn(
@@ -131,9 +135,10 @@ def rl_step(
         logp: Tensor,
         normalizer: float,
     ) -> tuple[Tensor, dict[str, Tensor]]:
+        prox = proximal[i]
         inp = PolicyInputs(
             logprobs=logp,
-            proximal_logprobs=proximal[i][j],
+            proximal_logprobs=logp.detach() if prox is None else prox[j],
             behaviour_logprobs=mb.behaviour_logprobs,
             advantages=mb.advantages,
             loss_mask=mb.loss_mask,

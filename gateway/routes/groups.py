@@ -87,10 +87,11 @@ async def reward(request: Request, session_id: str) -> Response:
     if body.reward is None and not body.turn_rewards:
         raise BadRequest("send {'reward': x} or {'turn_rewards': [{'turn_id', 'reward'}]}")
     store: Store = request.app.state.store
-    await store.set_reward(
-        session_id, body.reward, [(t.turn_id, t.reward) for t in body.turn_rewards or []] or None
+    state = await store.set_reward(
+        session_id, body.reward, [(t.turn_id, t.reward) for t in body.turn_rewards or []] or None,
+        finish=body.finish,
     )
-    return json_response({"session_id": session_id, "ok": True})
+    return json_response({"session_id": session_id, "ok": True, "state": state})
 
 
 @router.post("/v1/sessions/{session_id}/finish")

@@ -222,7 +222,7 @@ class Leases:
     async def admission(self, default_b: int, default_eta: int) -> tuple[bool, int, int]:
         """(allowed, counted groups, limit). Limit -1 = no admission control."""
         async with self.engine.connect() as conn:
-            kv = dict((await conn.execute(select(KV.c.key, KV.c.value))).all())
+            kv = {row.key: row.value for row in (await conn.execute(select(KV.c.key, KV.c.value))).all()}
             eta = int(kv.get("max_head_offpolicyness", default_eta))
             b = int(kv.get("groups_per_step", default_b))
             if eta < 0:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from sqlalchemy import Table, and_, func, select, update
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway.errors import BadRequest, Conflict, NotFound
+from gateway.store.db import DbConnection, DbEngine
 from gateway.store.models import Group, Session, Turn
 
 G = cast(Table, Group.__table__)
@@ -68,7 +68,7 @@ class TurnRow:
 
 
 class Store:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: DbEngine) -> None:
         self.engine = engine
         # SQLite has one writer at a time; a writer that finds the lock taken sleeps in SQLite's busy handler
         # (up to 100 ms a try) rather than being woken when it frees. Measured in the demo: reward and finish
@@ -76,7 +76,7 @@ class Store:
         self._write_lock = asyncio.Lock() if engine.dialect.name == "sqlite" else None
 
     @contextlib.asynccontextmanager
-    async def begin(self) -> AsyncIterator[AsyncConnection]:
+    async def begin(self) -> AsyncIterator[DbConnection]:
         """A write transaction (every write goes through here; never nest two)."""
         if self._write_lock is None:
             async with self.engine.begin() as conn:
@@ -155,8 +155,11 @@ class Store:
     # --- rewards and lifecycle -------------------------------------------------------------------
 
     async def set_reward(
-        self, session_id: str, reward: float | None, turn_rewards: list[tuple[str, float]] | None
-    ) -> None:
+        self, session_id: str, reward: float | None, turn_rewards: list[tuple[str, float]] | None,
+        *, finish: bool = False,
+    ) -> str:
+        """Set a session's reward (or per-turn rewards); with `finish`, also finish it in the same transaction.
+        Returns the session's state after the call."""
         async with self.begin() as conn:
             sess = await self._session_for_update(conn, session_id)
             gstate = (await conn.execute(select(G.c.state).where(G.c.id == sess.group_id))).scalar_one()
@@ -184,7 +187,16 @@ class Store:
                     await conn.execute(select(func.sum(T.c.reward)).where(T.c.session_id == session_id))
                 ).scalar_one()
                 await conn.execute(update(S).where(S.c.id == session_id).values(reward=total))
+            state = sess.state
+            if finish and state != "finished":
+                if state != "active":
+                    raise Conflict(f"session {session_id} is already {state}")
+                state = "finished"
+                await conn.execute(
+                    update(S).where(S.c.id == session_id).values(state=state, end_reason=None, ended_at=time.time())
+                )
             await self._refresh_group(conn, sess.group_id)
+            return state
 
     async def end_session(self, session_id: str, state: str, reason: str | None) -> str:
         """finish or abandon; returns the session's state after the call (idempotent for the same end)."""
@@ -226,7 +238,7 @@ class Store:
                 await self._refresh_group(conn, gid)
         return len(rows)
 
-    async def _session_for_update(self, conn: AsyncConnection, session_id: str) -> Any:
+    async def _session_for_update(self, conn: DbConnection, session_id: str) -> Any:
         q = select(S.c.id, S.c.group_id, S.c.state, S.c.reward).where(S.c.id == session_id)
         if conn.dialect.name == "postgresql":
             q = q.with_for_update()
@@ -235,7 +247,7 @@ class Store:
             raise NotFound(f"no session {session_id}")
         return row
 
-    async def _refresh_group(self, conn: AsyncConnection, group_id: str) -> None:
+    async def _refresh_group(self, conn: DbConnection, group_id: str) -> None:
         """open -> complete when every session is finished+rewarded or abandoned; drop when too few live."""
         g = (await conn.execute(select(G.c.state, G.c.n_samples).where(G.c.id == group_id))).one()
         if g.state != "open":
@@ -312,7 +324,7 @@ class Store:
             .where(and_(G.c.is_eval.is_(True), G.c.state == "complete", S.c.state == "finished"))
         )
         async with self.engine.connect() as conn:
-            rows = (await conn.execute(q)).all()
+            rows: list[Any] = list((await conn.execute(q)).all())
         by_version: dict[str, dict[str, list[float]]] = {}
         sizes: dict[str, int] = {}
         for gid, meta, n, reward in rows:

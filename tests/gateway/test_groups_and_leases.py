@@ -54,6 +54,31 @@ def test_group_completes_when_all_finished_and_rewarded(gateway: LiveGateway) ->
     assert state(gateway, g["group_id"]) == "complete"
 
 
+def test_reward_with_finish_ends_the_session_in_one_call(gateway: LiveGateway) -> None:
+    g = gateway.group(2)
+    a, b = g["sessions"]
+    play(gateway, a)
+    play(gateway, b)
+    hdr = {"Authorization": f"Bearer {a['api_key']}"}  # a session may reward and finish itself
+    r = gateway.admin.post(f"/v1/sessions/{a['session_id']}/reward", json={"reward": 1.0, "finish": True}, headers=hdr)
+    assert r.status_code == 200 and r.json()["state"] == "finished", r.text
+    assert state(gateway, g["group_id"]) == "open"
+    # idempotent: the same call again answers the same
+    r = gateway.admin.post(f"/v1/sessions/{a['session_id']}/reward", json={"reward": 1.0, "finish": True})
+    assert r.status_code == 200 and r.json()["state"] == "finished"
+    r = gateway.admin.post(f"/v1/sessions/{b['session_id']}/reward", json={"reward": 0.0, "finish": True})
+    assert r.json()["state"] == "finished" and state(gateway, g["group_id"]) == "complete"
+    session = gateway.admin.get(f"/v1/sessions/{a['session_id']}").json()
+    assert session["state"] == "finished" and session["reward"] == 1.0
+    # an abandoned session cannot be finished by a reward, and the reward is not kept either
+    g2 = gateway.group(2)
+    c = g2["sessions"][0]
+    gateway.admin.post(f"/v1/sessions/{c['session_id']}/abandon", json={})
+    r = gateway.admin.post(f"/v1/sessions/{c['session_id']}/reward", json={"reward": 1.0, "finish": True})
+    assert r.status_code == 409 and "abandoned" in r.json()["error"]["message"]
+    assert gateway.admin.get(f"/v1/sessions/{c['session_id']}").json()["reward"] is None
+
+
 def test_reward_is_idempotent_and_final_after_lease(gateway: LiveGateway) -> None:
     drain(gateway)
     g = gateway.group(2)
