@@ -111,8 +111,11 @@ class Runner:
             for _ in range(n_pools)
         ]
         self.http = self._admin_pools[0]
-        # The SDK's own client class (its httpx flavour), with the SDK's defaults but for the pool size.
-        self._agent_pools = [openai.DefaultAsyncHttpxClient(timeout=client_timeout, limits=limits)
+        # The SDK's own client class, with the SDK's defaults but for the pool size. Its HTTP package is httpx
+        # or, in newer SDKs, httpx2 (same API): its Limits come from whichever it is built on.
+        http_pkg = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.partition(".")[0])
+        sdk_limits = http_pkg.Limits(max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS)
+        self._agent_pools = [openai.DefaultAsyncHttpxClient(timeout=client_timeout, limits=sdk_limits)
                              for _ in range(n_pools)]
         self._next_pool = 0
 
