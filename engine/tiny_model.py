@@ -36,7 +36,9 @@ DEFAULT_SPECIAL_TOKENS = [
 
 # Qwen2.5's ChatML template with tools, with two tolerances: `content` may be null, and tool-call
 # `arguments` may arrive as a JSON string (rendered verbatim) as well as a dict (rendered with tojson).
-# `reasoning_content` is accepted and not rendered.
+# `reasoning_content` is accepted and not rendered. One change, as in Qwen3's template: a chat without tools
+# and without a system message gets no default system block. For the demo's prompts ("37+48=") that is 14
+# prompt tokens instead of 30, i.e. about half the compute of every SFT step, RL step and prefill.
 CHATML_TOOLS_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
@@ -51,7 +53,7 @@ CHATML_TOOLS_TEMPLATE = (
     "{%- else %}"
     "{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + (messages[0]['content'] or '') + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
     "{%- endif %}"
     "{%- for message in messages %}"
     '{%- if (message.role == "user") or (message.role == "system" and not loop.first)'

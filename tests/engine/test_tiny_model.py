@@ -72,10 +72,10 @@ def test_chat_template_renders_tools_calls_and_responses() -> None:
     )
     assert "easy" not in text
     plain = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
-    assert (
-        plain
-        == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-    )
+    assert plain == "<|im_start|>user\nhi<|im_end|>\n"  # no tools, no system message: no system block
+    system = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                                     tokenize=False)
+    assert system == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
 
 
 def test_extra_special_tokens_and_custom_template() -> None:
