@@ -34,4 +34,4 @@ def gateway(fake: FakeSGLang, tiny_model_dir: Path, db_url: str) -> Iterator[Liv
 def ids_of(tokenizer: Any, text: str, *, end: bool = True) -> list[int]:
     """What a model emits for `text`: its ids, then the end-of-turn token."""
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return ids + [tokenizer.convert_tokens_to_ids("<|im_end|>")] if end else ids
+    return [*ids, tokenizer.convert_tokens_to_ids("<|im_end|>")] if end else ids

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 from gateway.wire import decode_array
-from tests.gateway.conftest import ids_of
 from tests.harness import LiveGateway
 
 

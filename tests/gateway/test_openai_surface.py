@@ -85,7 +85,7 @@ def test_tool_call_reply_and_streamed_tool_call(gateway: Any, fake: Any, tokeniz
     assert r.choices[0].finish_reason == "tool_calls"
     assert tc and tc[0].function.name == "calculate" and tc[0].function.arguments == '{"expression": "37+48"}'
     fake.script([ids_of(tokenizer, call)])
-    stream = client.chat.completions.create(model="m", messages=msgs + [{"role": "user", "content": "x"}],
+    stream = client.chat.completions.create(model="m", messages=[*msgs, {"role": "user", "content": "x"}],
                                             tools=TOOLS, max_tokens=60, stream=True)
     chunks = list(stream)
     streamed = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]

@@ -3,6 +3,7 @@ template and a Llama-3.1-style template (llama3_json), through chat completions 
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,14 +62,14 @@ def setup(request: pytest.FixtureRequest, sqlite_url: str) -> Iterator[dict[str,
 
 def emit(s: dict[str, Any], text: str, end: str) -> list[int]:
     tok = s["tok"]
-    return list(tok(text, add_special_tokens=False)["input_ids"]) + [tok.convert_tokens_to_ids(end)]
+    return [*list(tok(text, add_special_tokens=False)["input_ids"]), tok.convert_tokens_to_ids(end)]
 
 
 def check_chain(s: dict[str, Any], session_id: str, emitted: list[list[int]], final_messages: list[dict[str, Any]]) -> None:
     rec = s["gw"].session(session_id)
     turns = rec["turns"]
     assert [t["continuity"] for t in turns] == ["new-chain"] + ["extends"] * (len(turns) - 1)
-    for prev, cur in zip(turns, turns[1:], strict=False):
+    for prev, cur in itertools.pairwise(turns):
         assert cur["parent_id"] == prev["id"]
         chain = prev["prompt_ids"] + prev["completion_ids"]
         assert cur["prompt_ids"][: len(chain)] == chain  # the earlier tokens are kept exactly
@@ -129,7 +130,7 @@ def test_tool_session_is_one_chain_responses(setup: dict[str, Any]) -> None:
     fake.script([e1])
     r1 = client.responses.create(model="m", instructions="Use the tool.", input=items, tools=rtools,
                                  max_output_tokens=80)
-    fc = [o for o in r1.output if o.type == "function_call"][0]
+    fc = next(o for o in r1.output if o.type == "function_call")
     assert fc.name == "calculate"
     items += [{"type": "function_call", "call_id": fc.call_id, "name": fc.name, "arguments": fc.arguments},
               {"type": "function_call_output", "call_id": fc.call_id, "output": "85"}]
