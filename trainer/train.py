@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
+import torch.distributed as dist
 
 from trainer.advantages import ScoredGroup, score_group
 from trainer.batching import plan_step, rows_of
@@ -268,6 +269,10 @@ def main(argv: list[str] | None = None) -> None:
             run_sft(cfg, info)
         else:
             run_rl(cfg, info)
+        # Every rank leaves together after a normal end, with no collective of a peer still in flight: a rank
+        # that tore down early once aborted at exit ("terminate called without an active exception", gloo, CI).
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
     finally:
         shutdown()
 

@@ -110,6 +110,7 @@ def test_checkpoint_every_k_holds_leases_until_durable(
 ) -> None:
     rng = random.Random(2)
     gw = FakeGateway([make_group(f"g{i}", [1.0, 0.0], rng) for i in range(2)])
+    gw.lease_delays = [0.0, 0.6]  # b0 is held through the second lease: 0.6 s, past two renew periods
     try:
         train(
             gw,

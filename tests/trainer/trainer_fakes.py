@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,8 @@ class FakeGateway:
         self.calls: list[tuple[str, str, Any]] = []
         self.batches: dict[str, list[str]] = {}
         self.results: dict[str, str] = {}
+        self.lease_delays: list[float] = []
+        """Seconds the N-th lease call waits before answering (outside the lock, so renewals go on)."""
         self.lock = threading.Lock()
         gw = self
 
@@ -110,6 +113,11 @@ class FakeGateway:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if self.path == "/v1/batches":
+                    with gw.lock:
+                        n = sum(1 for c in gw.calls if c[1] == "/v1/batches")
+                    if n < len(gw.lease_delays):
+                        time.sleep(gw.lease_delays[n])
                 with gw.lock:
                     gw.calls.append(("POST", self.path, body))
                     status, reply = gw.handle(self.path, body)
