@@ -1,4 +1,8 @@
-"""Store: the gateway's queries over groups, sessions and turns (SQLAlchemy Core on the hot path).
+"""Store: the gateway's queries over groups, sessions and turns (SQLAlchemy Core).
+
+The two statements of every chat call — the session lookup by key and the turn insert — go straight to the
+sqlite3 driver on the embedded SQLite store (same SQL, same stored values, inside the same transaction):
+SQLAlchemy's statement handling was ~0.5 ms of the gateway's ~3.3 ms of CPU per call (py-spy).
 
 Every method is one transaction. Group state follows from its sessions and is recomputed in the same
 transaction that changes a session, so a group's state is never ahead of or behind its rows.
@@ -9,21 +13,54 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, func, select, update
+from sqlalchemy import JSON, Boolean, Table, and_, func, select, update
 
 from gateway.errors import BadRequest, Conflict, NotFound
-from gateway.store.db import DbConnection, DbEngine
+from gateway.store.db import DbConnection, DbEngine, InLoopConnection
 from gateway.store.models import Group, Session, Turn
 
 G = cast(Table, Group.__table__)
 S = cast(Table, Session.__table__)
 T = cast(Table, Turn.__table__)
+
+_AUTH_SQL = (f"SELECT s.id, s.group_id, s.state, s.turn_count, g.sampling FROM {S.name} s "
+             f"JOIN {G.name} g ON g.id = s.group_id WHERE s.")
+_BUMP_SQL = f"UPDATE {S.name} SET turn_count = turn_count + 1, last_active_at = ? WHERE id = ? RETURNING turn_count"
+_TURN_COLUMNS = list(T.columns)
+_INSERT_TURN_SQL = (f"INSERT INTO {T.name} ({', '.join(c.name for c in _TURN_COLUMNS)}) "
+                    f"VALUES ({', '.join('?' for _ in _TURN_COLUMNS)})")
+
+
+def _sqlite_driver(conn: DbConnection) -> Any:
+    """The sqlite3 connection under an embedded-SQLite connection (None for PostgreSQL)."""
+    if isinstance(conn, InLoopConnection):
+        return conn.sync_connection.connection.driver_connection
+    return None
+
+
+def _turn_params(values: dict[str, Any]) -> list[Any]:
+    """A turn's values as SQLAlchemy would bind them on SQLite: JSON as json.dumps text, booleans as 0/1,
+    absent columns as their scalar default (else NULL)."""
+    out: list[Any] = []
+    for col in _TURN_COLUMNS:
+        if col.name in values:
+            v = values[col.name]
+        else:
+            default = col.default
+            v = default.arg if default is not None and default.is_scalar else None  # type: ignore[attr-defined]
+        if isinstance(col.type, JSON) and (col.name in values):
+            v = json.dumps(v)
+        elif isinstance(col.type, Boolean) and v is not None:
+            v = int(bool(v))
+        out.append(v)
+    return out
 
 
 def new_id(prefix: str) -> str:
@@ -118,6 +155,14 @@ class Store:
         return gid, creds
 
     async def session_auth(self, *, key: str | None = None, session_id: str | None = None) -> SessionAuth | None:
+        async with self.engine.connect() as conn:
+            driver = _sqlite_driver(conn)
+            if driver is not None:
+                where, value = ("key_hash = ?", hash_key(key)) if key is not None else ("id = ?", session_id)
+                raw = driver.execute(_AUTH_SQL + where, (value,)).fetchone()
+                if raw is None:
+                    return None
+                return SessionAuth(raw[0], raw[1], raw[2], raw[3], json.loads(raw[4] or "null"))
         cond = S.c.key_hash == hash_key(key) if key is not None else S.c.id == session_id
         q = (
             select(S.c.id, S.c.group_id, S.c.state, S.c.turn_count, G.c.sampling)
@@ -141,6 +186,15 @@ class Store:
         """Store one turn and bump the session's turn count; returns the turn's seq. Durable on return."""
         now = time.time()
         async with self.begin() as conn:
+            driver = _sqlite_driver(conn)
+            if driver is not None:  # inside the write transaction begin() opened
+                bumped = driver.execute(_BUMP_SQL, (now, session_id)).fetchall()
+                if not bumped:
+                    raise NotFound(f"no session {session_id}")
+                seq = bumped[0][0]
+                driver.execute(_INSERT_TURN_SQL, _turn_params({"session_id": session_id, "seq": seq,
+                                                               "created_at": now, **values}))
+                return int(seq)
             seq = (
                 await conn.execute(
                     update(S)
