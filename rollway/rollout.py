@@ -110,7 +110,6 @@ class Runner:
                               headers={"Authorization": f"Bearer {admin_key}"})
             for _ in range(n_pools)
         ]
-        self.http = self._admin_pools[0]
         # The SDK's own client class, with the SDK's defaults but for the pool size. Its HTTP package is httpx
         # or, in newer SDKs, httpx2 (same API): its Limits come from whichever it is built on.
         http_pkg = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.partition(".")[0])
@@ -171,8 +170,8 @@ class Runner:
             pool = self._pool_index()
             try:
                 if self.is_async:
-                    # One connection pool for every session's client (a pool per session costs a new
-                    # connection per agent); the client is not closed here for that reason.
+                    # The session's client borrows one of the runner's shared pools (a pool per session costs
+                    # a new connection per agent); the client is not closed here for that reason.
                     client = openai.AsyncOpenAI(base_url=cred["base_url"], api_key=cred["api_key"],
                                                 timeout=self.client_timeout, max_retries=2,
                                                 http_client=self._agent_pools[pool])
@@ -196,7 +195,7 @@ class Runner:
             return reward
 
     async def weight_version(self) -> int:
-        r = await self.http.get("/v1/weights")
+        r = await self._admin_pools[0].get("/v1/weights")
         r.raise_for_status()
         return int(r.json().get("version", 0))
 

@@ -115,11 +115,9 @@ DbConnection = AsyncConnection | InLoopConnection
 
 def create_engine(url: str, **kw: Any) -> DbEngine:
     if is_sqlite(url):
-        u = make_url(url)
+        u = make_url(async_url(url))  # validated, its folder created
         if u.database and u.database != ":memory:":
-            Path(u.database).parent.mkdir(parents=True, exist_ok=True)
-        # The pool never makes the loop wait for a connection: past pool_size it opens more (max_overflow -1).
-        if u.database and u.database != ":memory:":
+            # The pool never makes the loop wait for a connection: past pool_size it opens more.
             kw.setdefault("pool_size", 8)
             kw.setdefault("max_overflow", -1)
         engine = sqlalchemy.create_engine(u.set(drivername="sqlite+pysqlite"),

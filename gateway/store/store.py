@@ -55,7 +55,7 @@ def _turn_params(values: dict[str, Any]) -> list[Any]:
         else:
             default = col.default
             v = default.arg if default is not None and default.is_scalar else None  # type: ignore[attr-defined]
-        if isinstance(col.type, JSON) and (col.name in values):
+        if isinstance(col.type, JSON) and col.name in values:
             v = json.dumps(v)
         elif isinstance(col.type, Boolean) and v is not None:
             v = int(bool(v))
@@ -115,11 +115,7 @@ class Store:
     @contextlib.asynccontextmanager
     async def begin(self) -> AsyncIterator[DbConnection]:
         """A write transaction (every write goes through here; never nest two)."""
-        if self._write_lock is None:
-            async with self.engine.begin() as conn:
-                yield conn
-            return
-        async with self._write_lock, self.engine.begin() as conn:
+        async with self._write_lock or contextlib.nullcontext(), self.engine.begin() as conn:
             yield conn
 
     # --- groups and sessions ---------------------------------------------------------------------
