@@ -1,4 +1,5 @@
-"""Servers the benchmarks start: each in its own process group, logged to a file, always stopped.
+"""Servers the benchmarks start: each in its own process group, logged to a file, always stopped; and the
+CPU time of those processes, read from /proc (Linux).
 
 Shared by benchmarks/gateway.py and benchmarks/pool.py; ports and health waits come from rollway.embedded.
 """
@@ -6,8 +7,11 @@ Shared by benchmarks/gateway.py and benchmarks/pool.py; ports and health waits c
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,3 +53,76 @@ class Procs:
     def log_tail(self, name: str, n: int = 3000) -> str:
         path = self.logdir / f"{name}.log"
         return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+
+TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
+
+
+# --- processes and their CPU ---------------------------------------------------------------------------
+
+
+def proc_table() -> dict[int, tuple[int, str, int]]:
+    """pid -> (ppid, comm, cpu ticks of itself + its reaped children)."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            data = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:
+            continue
+        head, _, rest = data.rpartition(")")
+        f = rest.split()
+        table[int(entry.name)] = (int(f[1]), head.partition("(")[2], sum(int(x) for x in f[11:15]))
+    return table
+
+
+def tree_ms(table: dict[int, tuple[int, str, int]], root: int) -> float:
+    pids, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, (pp, _, _) in table.items() if pp == parent and p not in pids]
+        pids.update(kids)
+        frontier.extend(kids)
+    return sum(table[p][2] for p in pids if p in table) * TICK_MS
+
+
+def postgres_ms(table: dict[int, tuple[int, str, int]], dbname: str | None) -> tuple[float, float]:
+    """(all processes named postgres, only the backends connected to `dbname`)."""
+    total = ours = 0.0
+    for pid, (_, comm, ticks) in table.items():
+        if comm != "postgres":
+            continue
+        total += ticks * TICK_MS
+        if dbname:
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if f" {dbname} " in title:
+                ours += ticks * TICK_MS
+    return total, ours
+
+
+def machine_busy_ms() -> float:
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(f[:8]) - f[3] - f[4]) * TICK_MS  # all but idle and iowait
+
+
+@dataclass
+class Snapshot:
+    server: float
+    backend: float
+    pg_all: float
+    pg_ours: float
+    wrk: float
+    machine: float
+    at: float
+
+    @classmethod
+    def take(cls, server: int, backend: int, dbname: str | None) -> Snapshot:
+        table = proc_table()
+        pg_all, pg_ours = postgres_ms(table, dbname)
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # wrk, once reaped
+        return cls(tree_ms(table, server), tree_ms(table, backend), pg_all, pg_ours,
+                   (usage.ru_utime + usage.ru_stime) * 1000, machine_busy_ms(), time.monotonic())

@@ -33,7 +33,6 @@ import asyncio
 import json
 import math
 import os
-import resource
 import secrets
 import shutil
 import signal
@@ -46,13 +45,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_procs import ROOT, Procs
+from bench_procs import ROOT, Procs, Snapshot
 
 from rollway.embedded import free_port
 
 LEVELS = (1, 32, 128)
 CONFIGS = ("direct", "passthrough", "sqlite", "postgres")
-TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
 GROUP_SIZE = 8
 MAX_TOKENS = 64
 N = "__N__"  # per-request number in the bodies; wrk's Lua fills it in
@@ -185,76 +183,6 @@ def run_wrk(url: str, script: Path, conns: int, seconds: int, keys_file: str = "
         print(f"  wrk: {out.stderr.strip()[:600]}", file=sys.stderr)
     result: dict[str, Any] = json.loads(lines[-1][len("BENCH "):])
     return result
-
-
-# --- processes and their CPU ---------------------------------------------------------------------------
-
-
-def proc_table() -> dict[int, tuple[int, str, int]]:
-    """pid -> (ppid, comm, cpu ticks of itself + its reaped children)."""
-    table = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            data = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:
-            continue
-        head, _, rest = data.rpartition(")")
-        f = rest.split()
-        table[int(entry.name)] = (int(f[1]), head.partition("(")[2], sum(int(x) for x in f[11:15]))
-    return table
-
-
-def tree_ms(table: dict[int, tuple[int, str, int]], root: int) -> float:
-    pids, frontier = {root}, [root]
-    while frontier:
-        parent = frontier.pop()
-        kids = [p for p, (pp, _, _) in table.items() if pp == parent and p not in pids]
-        pids.update(kids)
-        frontier.extend(kids)
-    return sum(table[p][2] for p in pids if p in table) * TICK_MS
-
-
-def postgres_ms(table: dict[int, tuple[int, str, int]], dbname: str | None) -> tuple[float, float]:
-    """(all processes named postgres, only the backends connected to `dbname`)."""
-    total = ours = 0.0
-    for pid, (_, comm, ticks) in table.items():
-        if comm != "postgres":
-            continue
-        total += ticks * TICK_MS
-        if dbname:
-            try:
-                title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if f" {dbname} " in title:
-                ours += ticks * TICK_MS
-    return total, ours
-
-
-def machine_busy_ms() -> float:
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(f[:8]) - f[3] - f[4]) * TICK_MS  # all but idle and iowait
-
-
-@dataclass
-class Snapshot:
-    server: float
-    backend: float
-    pg_all: float
-    pg_ours: float
-    wrk: float
-    machine: float
-    at: float
-
-    @classmethod
-    def take(cls, server: int, backend: int, dbname: str | None) -> Snapshot:
-        table = proc_table()
-        pg_all, pg_ours = postgres_ms(table, dbname)
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # wrk, once reaped
-        return cls(tree_ms(table, server), tree_ms(table, backend), pg_all, pg_ours,
-                   (usage.ru_utime + usage.ru_stime) * 1000, machine_busy_ms(), time.monotonic())
 
 
 # --- HTTP helpers (setup only, never in a timed window) -----------------------------------------------
