@@ -1,7 +1,8 @@
 """`create_app(settings)`: the gateway's FastAPI app. Services live on `app.state`, made in the lifespan.
 
-Errors are mapped to OpenAI's envelope in one place (`_install_error_handlers`); a client never sees a
-traceback or a 422.
+The agent-facing OpenAI routes are plain ASGI in front of it (`routes.dispatch`); the admin and REST routes
+are FastAPI. Errors of both are mapped to OpenAI's envelope in one place (`routes.common.error_response`); a
+client never sees a traceback or a 422.
 """
 
 from __future__ import annotations
@@ -10,21 +11,23 @@ import asyncio
 import contextlib
 import json
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import jinja2
 import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.errors import GatewayError, error_body
+from gateway.errors import GatewayError
 from gateway.metrics import Metrics, RequestMetrics
 from gateway.pool import Backend, BackendPool
+from gateway.routes.common import error_response
+from gateway.routes.dispatch import SessionRoutes
 from gateway.sessions_cache import SessionCache
 from gateway.settings import Settings
 from gateway.sglang import BackendError
@@ -135,11 +138,10 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
     app = FastAPI(title="rollway gateway", lifespan=lifespan)
     app.state.admin_key = admin_key
     _install_error_handlers(app)
-    app.add_middleware(RequestMetrics)
     from gateway.routes import backends, groups, openai_api, responses, system, training
 
-    app.include_router(openai_api.router)
-    app.include_router(responses.router)
+    app.add_middleware(SessionRoutes, routes={**openai_api.ROUTES, **responses.ROUTES})
+    app.add_middleware(RequestMetrics)  # outermost: it counts both kinds of route
     app.include_router(groups.router)
     app.include_router(training.router)
     app.include_router(backends.router)
@@ -156,43 +158,11 @@ async def _sweep_idle(store: Store, idle_s: float) -> None:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(GatewayError)
-    async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
-        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after is not None else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    """FastAPI's routes answer errors as the OpenAI routes do (`error_response`)."""
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(validation_error_body(exc.errors()), status_code=400)
+    async def handle(_: Request, exc: Exception) -> Response:
+        return error_response(exc)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
-
-    @app.exception_handler(jinja2.TemplateError)
-    async def _template(_: Request, exc: jinja2.TemplateError) -> JSONResponse:
-        # The model's chat template refused the conversation (e.g. roles in an order it does not allow).
-        return JSONResponse(error_body(f"the chat template refused these messages: {exc}", "invalid_request_error",
-                                       "messages"), status_code=400)
-
-    @app.exception_handler(sqlalchemy.exc.OperationalError)
-    async def _store_busy(_: Request, exc: sqlalchemy.exc.OperationalError) -> JSONResponse:
-        # SQLite's write lock held past busy_timeout (another process on the file), or the database away:
-        # nothing of this request was stored; the client may retry.
-        log.warning("store unavailable: %s", exc.orig)
-        return JSONResponse(error_body("the trajectory store is busy or unreachable; retry", "server_error",
-                                       code="store_unavailable"), status_code=503, headers={"Retry-After": "1"})
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error", exc_info=exc)
-        return JSONResponse(error_body("internal error in the gateway (logged)", "server_error"), status_code=500)
-
-
-def validation_error_body(errors: Any) -> dict[str, Any]:
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid request")
-    return error_body(f"{param}: {msg}" if param else msg, "invalid_request_error", param)
+    for exc_type in (GatewayError, RequestValidationError, StarletteHTTPException, jinja2.TemplateError,
+                     sqlalchemy.exc.OperationalError, sqlite3.OperationalError, Exception):
+        app.add_exception_handler(exc_type, handle)

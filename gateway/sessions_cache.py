@@ -21,12 +21,16 @@ class SessionView:
     chains: dict[str, list[int]] = field(default_factory=dict)
     """turn id -> full ids (prompt + completion) of that turn."""
     completions: dict[str, list[int]] = field(default_factory=dict)
+    prompt_texts: dict[str, str] = field(default_factory=dict)
+    """turn id -> its rendered prompt, for turns this process rendered (not kept in the store)."""
 
     def add(self, turn_id: str, seq: int, messages: list[dict], reply: dict, tools: list | None,
-            prompt_ids: list[int], completion_ids: list[int]) -> None:
+            prompt_ids: list[int], completion_ids: list[int], prompt_text: str | None = None) -> None:
         self.candidates.append(Candidate(turn_id, [*messages, reply], tools, seq))
         self.chains[turn_id] = prompt_ids + completion_ids
         self.completions[turn_id] = completion_ids
+        if prompt_text is not None:
+            self.prompt_texts[turn_id] = prompt_text
         self.turn_count = max(self.turn_count, seq)
 
 
@@ -61,11 +65,12 @@ class SessionCache:
         return view
 
     def record(self, session_id: str, seq: int, turn_id: str, messages: list[dict], reply: dict,
-               tools: list | None, prompt_ids: list[int], completion_ids: list[int]) -> None:
+               tools: list | None, prompt_ids: list[int], completion_ids: list[int],
+               prompt_text: str | None = None) -> None:
         """Add a just-stored turn to a cached view that was current before it; else forget the view."""
         view = self._views.get(session_id)
         if view is not None and view.turn_count == seq - 1 and reply:
-            view.add(turn_id, seq, messages, reply, tools, prompt_ids, completion_ids)
+            view.add(turn_id, seq, messages, reply, tools, prompt_ids, completion_ids, prompt_text)
         else:
             self.drop(session_id)
 

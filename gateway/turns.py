@@ -54,6 +54,8 @@ class PreparedTurn:
     prompt_delta: list[int]
     parent_id: str | None
     chain_reason: str | None
+    prompt_text: str | None
+    """The rendered prompt (chat turns): a later turn that extends this one renders one template less."""
     sampling: dict[str, Any]
     temperature: float
     max_new_tokens: int
@@ -92,7 +94,7 @@ class TurnService:
         self.reasoning = reasoning
         self.stop_ids = set(template.stop_token_ids)
         self._token_text: dict[int, tuple[str, list[int]]] = {}
-        self._renders: OrderedDict[bytes, list[int]] = OrderedDict()
+        self._renders: OrderedDict[bytes, tuple[list[int], str]] = OrderedDict()
 
     # --- before generation -----------------------------------------------------------------------
 
@@ -102,48 +104,53 @@ class TurnService:
         started = time.time()
         parent_id: str | None = None
         reason: str | None
+        text: str | None = None
         if req.raw_prompt_ids is not None:
             prompt, delta, reason = req.raw_prompt_ids, req.raw_prompt_ids, "completions_endpoint"
         else:
             view = await self.cache.get(auth.id, auth.turn_count)
-            parent_id, reason, prompt, delta = self._continue(view, req)
+            parent_id, reason, prompt, delta, text = self._continue(view, req)
         max_new = self._budget(len(prompt), req.max_tokens)
         sampling, temperature = self._sampling(auth.sampling, req)
         prefix = "resp_" if req.endpoint == "responses" else ("cmpl-" if req.endpoint == "completions" else "chatcmpl-")
         return PreparedTurn(
             auth=auth, req=req, turn_id=new_id(prefix), prompt_ids=prompt, prompt_delta=delta,
-            parent_id=parent_id, chain_reason=reason, sampling=sampling, temperature=temperature,
+            parent_id=parent_id, chain_reason=reason, prompt_text=text, sampling=sampling, temperature=temperature,
             max_new_tokens=max_new, started=started,
         )
 
-    def _continue(self, view: SessionView, req: TurnRequest) -> tuple[str | None, str | None, list[int], list[int]]:
+    def _continue(
+        self, view: SessionView, req: TurnRequest
+    ) -> tuple[str | None, str | None, list[int], list[int], str]:
+        """(parent id, new-chain reason, prompt ids, prompt delta, prompt text) of a chat turn."""
         choice = choose_parent(view.candidates, req.messages, req.tools)
         if choice.parent_turn_id is not None:
             parent = next(c for c in view.candidates if c.turn_id == choice.parent_turn_id)
             n_prev = len(parent.messages)
-            ext = self.template.extension_ids(
-                parent.messages, view.completions[parent.turn_id], req.messages[n_prev:], req.tools
+            ext = self.template.extension(
+                parent.messages, view.completions[parent.turn_id], req.messages[n_prev:], req.tools,
+                parent_prompt=view.prompt_texts.get(parent.turn_id),
             )
             if ext is not None:
-                return parent.turn_id, None, view.chains[parent.turn_id] + ext, ext
+                ids, text = ext
+                return parent.turn_id, None, view.chains[parent.turn_id] + ids, ids, text
             reason: str | None = "template_not_prefix_stable"
         else:
             reason = choice.reason
-        ids = self._render_cached(req.messages, req.tools)
-        return None, reason, ids, ids
+        ids, text = self._render_cached(req.messages, req.tools)
+        return None, reason, ids, ids, text
 
-    def _render_cached(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def _render_cached(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[list[int], str]:
         """Siblings of a GRPO group send the same first prompt: render and tokenize it once."""
         key = orjson.dumps([messages, tools], option=orjson.OPT_SORT_KEYS)
-        ids = self._renders.get(key)
-        if ids is None:
-            ids = self.template.render_ids(messages, tools)
-            self._renders[key] = ids
+        hit = self._renders.get(key)
+        if hit is None:
+            hit = self._renders[key] = self.template.render_prompt(messages, tools)
             if len(self._renders) > 1024:
                 self._renders.popitem(last=False)
         else:
             self._renders.move_to_end(key)
-        return list(ids)
+        return list(hit[0]), hit[1]
 
     def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
         ctx = self.context_length
@@ -236,7 +243,8 @@ class TurnService:
         # Shielded: a client that goes away while we commit must not cancel the commit.
         seq = await asyncio.shield(self.store.insert_turn(p.auth.id, values))
         self.cache.record(
-            p.auth.id, seq, p.turn_id, p.req.messages, {} if raw_only else reply, p.req.tools, p.prompt_ids, gen.ids
+            p.auth.id, seq, p.turn_id, p.req.messages, {} if raw_only else reply, p.req.tools, p.prompt_ids, gen.ids,
+            p.prompt_text,
         )
         self.metrics.turn_stored(
             continuity="extends" if p.parent_id else "new-chain", prompt_tokens=len(p.prompt_ids), completion_tokens=len(gen.ids),

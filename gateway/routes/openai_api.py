@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from gateway.auth import chat_session
@@ -16,7 +16,6 @@ from gateway.routes.common import json_response, read_body
 from gateway.routes.streaming import stream_turn
 from gateway.turns import TurnRequest, TurnService, require_tools_supported
 
-router = APIRouter()
 _TEXT_PARTS = ("text", "input_text", "output_text")
 
 
@@ -171,7 +170,7 @@ async def _completions(request: Request, session_id: str | None) -> Response:
             raise BadRequest("a batch of prompts is not supported; send one prompt per request", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = list(turns.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        ids = turns.template.encode(prompt)
     else:
         ids = [int(x) for x in prompt]
     if not ids:
@@ -206,19 +205,9 @@ async def _models(request: Request, session_id: str | None) -> Response:
     ]})
 
 
-def add_session_routes(router: APIRouter, path: str, fn: Any, method: str) -> None:
-    """`/v1/...` authenticated by key, and `/sessions/{session_id}/v1/...` by the id in the path."""
-
-    async def by_key(request: Request) -> Response:
-        return await fn(request, None)
-
-    async def by_path(request: Request, session_id: str) -> Response:
-        return await fn(request, session_id)
-
-    router.add_api_route(path, by_key, methods=[method])
-    router.add_api_route("/sessions/{session_id}" + path, by_path, methods=[method], include_in_schema=False)
-
-
-add_session_routes(router, "/v1/chat/completions", _chat, "POST")
-add_session_routes(router, "/v1/completions", _completions, "POST")
-add_session_routes(router, "/v1/models", _models, "GET")
+# Served by `gateway.routes.dispatch.SessionRoutes` at these paths and under /sessions/{session_id}.
+ROUTES = {
+    "/v1/chat/completions": ("POST", _chat),
+    "/v1/completions": ("POST", _completions),
+    "/v1/models": ("GET", _models),
+}

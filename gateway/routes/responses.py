@@ -10,17 +10,15 @@ import json
 import secrets
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from gateway.auth import chat_session
 from gateway.errors import BadRequest
 from gateway.protocol import ResponsesRequest, note_unknown_fields
 from gateway.routes.common import json_response, read_body
-from gateway.routes.openai_api import add_session_routes, run_to_end
+from gateway.routes.openai_api import run_to_end
 from gateway.turns import TurnRequest, TurnService, require_tools_supported
-
-router = APIRouter()
 
 
 def _text(content: Any, param: str) -> str:
@@ -139,4 +137,4 @@ async def _responses(request: Request, session_id: str | None) -> Response:
     })
 
 
-add_session_routes(router, "/v1/responses", _responses, "POST")
+ROUTES = {"/v1/responses": ("POST", _responses)}

@@ -15,6 +15,7 @@ package and are found from the installed code.
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -94,6 +95,18 @@ class InLoopEngine:
     def __init__(self, sync_engine: Engine) -> None:
         self.sync_engine = sync_engine
         self.dialect: Dialect = sync_engine.dialect
+        self._hot: Any = None
+
+    def hot_connection(self) -> sqlite3.Connection | None:
+        """One sqlite3 connection kept out of the pool for the store's per-call statements (its pragmas set,
+        autocommit: the caller writes BEGIN IMMEDIATE / COMMIT itself). None for an in-memory database,
+        where every connection would be a database of its own."""
+        if self.sync_engine.url.database in (None, "", ":memory:"):
+            return None
+        if self._hot is None:
+            self._hot = self.sync_engine.raw_connection()
+        conn: sqlite3.Connection = self._hot.driver_connection
+        return conn
 
     @contextlib.asynccontextmanager
     async def connect(self) -> AsyncIterator[InLoopConnection]:
@@ -106,6 +119,9 @@ class InLoopEngine:
             yield InLoopConnection(conn)
 
     async def dispose(self) -> None:
+        if self._hot is not None:
+            self._hot.close()
+            self._hot = None
         self.sync_engine.dispose()
 
 

@@ -87,7 +87,6 @@ async def test_a_failed_write_rolls_back_and_concurrent_writers_all_land(db: str
 
 async def test_raw_hot_path_stores_and_reads_what_sqlalchemy_does(db: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """session_auth and insert_turn go to the sqlite3 driver directly: same rows as through SQLAlchemy."""
-    from gateway.store import store as store_mod
     from gateway.wire import pack
 
     store = Store(create_engine(db))
@@ -100,7 +99,8 @@ async def test_raw_hot_path_stores_and_reads_what_sqlalchemy_does(db: str, monke
                       chain_reason=None, client_disconnected=True, timings={"started": 1.5})
         raw_auth = await store.session_auth(key=creds[0][1])
         await store.insert_turn(creds[0][0], {"id": "t-raw", **values})
-        monkeypatch.setattr(store_mod, "_sqlite_driver", lambda conn: None)  # the SQLAlchemy path
+        assert store._sqlite is not None
+        monkeypatch.setattr(store, "_sqlite", None)  # the SQLAlchemy path
         sa_auth = await store.session_auth(key=creds[0][1])
         await store.insert_turn(creds[0][0], {"id": "t-sa", **values})
         assert sa_auth is not None and sa_auth.turn_count == 1

@@ -198,3 +198,37 @@ def test_incremental_detokenizer_matches_one_decode() -> None:
         out.append(d.flush())
         assert all("\ufffd" not in piece for piece in out)
         assert "".join(out) == text
+
+
+# --- rendering is transformers' own ------------------------------------------------------------------
+
+CONVERSATIONS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+    [{"role": "user", "content": "Weather?"},
+     {"role": "assistant", "content": None, "reasoning_content": "Use the tool.", "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+     {"role": "assistant", "content": "It rains.", "reasoning_content": "Report it."},
+     {"role": "user", "content": "Thanks"}],
+]
+
+
+@pytest.mark.parametrize("make", [chatml, llama31], ids=["chatml", "llama31"])
+@pytest.mark.parametrize("with_tools", [False, True])
+def test_render_text_equals_apply_chat_template(make: Any, with_tools: bool) -> None:
+    """The gateway renders with transformers' compiled template directly; the text is apply_chat_template's."""
+    ct = make()
+    tools = TOOLS if with_tools else None
+    for messages in CONVERSATIONS:
+        for gen in (True, False):
+            expected = ct.tokenizer.apply_chat_template(
+                [hf_message(m) for m in messages], tools=tools, add_generation_prompt=gen, tokenize=False
+            )
+            assert ct.render_text(messages, tools, add_generation_prompt=gen) == expected
+
+
+def test_reasoning_reaches_templates_under_each_name() -> None:
+    template = "{% for m in messages %}[{{ m.thinking }}|{{ m.reasoning_content }}]{% endfor %}"
+    ct = ChatTemplate(chatml_tokenizer(), chat_template=template)
+    assert ct.render_text(THOUGHTFUL, None) == "[|][Greet back.|Greet back.]"
