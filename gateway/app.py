@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import sqlite3
@@ -126,6 +127,7 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
         )
         await pool.start()
         sweeper = asyncio.create_task(_sweep_idle(store, settings.session_idle_timeout_s))
+        _tune_gc()
         log.info("gateway ready: %d backend(s), context length %d", len(pool.backends()), ctx)
         try:
             yield
@@ -147,6 +149,19 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
     app.include_router(backends.router)
     app.include_router(system.router)
     return app
+
+
+def _tune_gc() -> None:
+    """The collector's share of a chat completion, from ~0.2 ms to ~0.03 ms (benchmarks/gateway.py, C=32).
+
+    Everything loaded so far (transformers, tokenizer, template, SQLAlchemy: ~300k objects) lives as long as
+    the process: frozen, out of the collector's sight, a full collection no longer walks it. And a young
+    collection costs about the same whatever its threshold (it walks what the requests in flight hold), so
+    one every 5,000 allocations instead of every 700 does a seventh of the work; garbage that only the
+    collector can free (cycles) waits a little longer."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(5000, 20, 20)
 
 
 async def _sweep_idle(store: Store, idle_s: float) -> None:

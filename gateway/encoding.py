@@ -24,7 +24,7 @@ class CachedEncoder:
         self._tokenizer = tokenizer
         self._max_chars = max_cached_chars
         self._chars = 0
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # tuples: untracked by the collector
         self._backend: Any = None
         self._specials: dict[str, int] = {}
         self._split: re.Pattern[str] | None = None
@@ -63,13 +63,13 @@ class CachedEncoder:
                 out.extend(self._piece(piece))
         return out
 
-    def _piece(self, piece: str) -> list[int]:
+    def _piece(self, piece: str) -> tuple[int, ...]:
         cache = self._cache
         ids = cache.get(piece)
         if ids is not None:
             cache.move_to_end(piece)
             return ids
-        ids = self._backend.encode(piece, add_special_tokens=False).ids
+        ids = tuple(self._backend.encode(piece, add_special_tokens=False).ids)
         if len(piece) * 4 <= self._max_chars:  # one huge piece would evict everything: not kept
             cache[piece] = ids
             self._chars += len(piece)

@@ -18,17 +18,19 @@ from gateway.wire import unpack
 class SessionView:
     turn_count: int
     candidates: list[Candidate] = field(default_factory=list)
-    chains: dict[str, list[int]] = field(default_factory=dict)
+    # Token arrays are kept as tuples of ints: the collector stops tracking those, so its full collections
+    # need not walk millions of ids of cached sessions (measured: ~80 ms per full collection otherwise).
+    chains: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """turn id -> full ids (prompt + completion) of that turn."""
-    completions: dict[str, list[int]] = field(default_factory=dict)
+    completions: dict[str, tuple[int, ...]] = field(default_factory=dict)
     prompt_texts: dict[str, str] = field(default_factory=dict)
     """turn id -> its rendered prompt, for turns this process rendered (not kept in the store)."""
 
     def add(self, turn_id: str, seq: int, messages: list[dict], reply: dict, tools: list | None,
             prompt_ids: list[int], completion_ids: list[int], prompt_text: str | None = None) -> None:
         self.candidates.append(Candidate(turn_id, [*messages, reply], tools, seq))
-        self.chains[turn_id] = prompt_ids + completion_ids
-        self.completions[turn_id] = completion_ids
+        self.chains[turn_id] = (*prompt_ids, *completion_ids)
+        self.completions[turn_id] = tuple(completion_ids)
         if prompt_text is not None:
             self.prompt_texts[turn_id] = prompt_text
         self.turn_count = max(self.turn_count, seq)
@@ -39,11 +41,11 @@ def view_from_rows(rows: list[TurnRow]) -> SessionView:
     for r in rows:
         delta: list[int] = unpack(r.prompt_ids, "int32")  # type: ignore[assignment]
         completion: list[int] = unpack(r.completion_ids, "int32")  # type: ignore[assignment]
-        prompt = view.chains[r.parent_id] + delta if r.parent_id else delta
+        prompt = [*view.chains[r.parent_id], *delta] if r.parent_id else delta
         if r.reply and r.request.get("messages"):  # no reply (aborted early) or raw completion: no parent
             view.add(r.id, r.seq, r.request.get("messages", []), r.reply, r.request.get("tools"), prompt, completion)
         else:
-            view.chains[r.id] = prompt + completion
+            view.chains[r.id] = (*prompt, *completion)
             view.turn_count = max(view.turn_count, r.seq)
     return view
 

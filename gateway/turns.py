@@ -94,7 +94,7 @@ class TurnService:
         self.reasoning = reasoning
         self.stop_ids = set(template.stop_token_ids)
         self._token_text: dict[int, tuple[str, list[int]]] = {}
-        self._renders: OrderedDict[bytes, tuple[list[int], str]] = OrderedDict()
+        self._renders: OrderedDict[bytes, tuple[tuple[int, ...], str]] = OrderedDict()
 
     # --- before generation -----------------------------------------------------------------------
 
@@ -133,7 +133,7 @@ class TurnService:
             )
             if ext is not None:
                 ids, text = ext
-                return parent.turn_id, None, view.chains[parent.turn_id] + ids, ids, text
+                return parent.turn_id, None, [*view.chains[parent.turn_id], *ids], ids, text
             reason: str | None = "template_not_prefix_stable"
         else:
             reason = choice.reason
@@ -145,7 +145,8 @@ class TurnService:
         key = orjson.dumps([messages, tools], option=orjson.OPT_SORT_KEYS)
         hit = self._renders.get(key)
         if hit is None:
-            hit = self._renders[key] = self.template.render_prompt(messages, tools)
+            ids, text = self.template.render_prompt(messages, tools)
+            hit = self._renders[key] = (tuple(ids), text)
             if len(self._renders) > 1024:
                 self._renders.popitem(last=False)
         else:

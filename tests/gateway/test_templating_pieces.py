@@ -232,3 +232,16 @@ def test_reasoning_reaches_templates_under_each_name() -> None:
     template = "{% for m in messages %}[{{ m.thinking }}|{{ m.reasoning_content }}]{% endfor %}"
     ct = ChatTemplate(chatml_tokenizer(), chat_template=template)
     assert ct.render_text(THOUGHTFUL, None) == "[|][Greet back.|Greet back.]"
+
+
+def test_common_prefix_len_matches_a_character_loop() -> None:
+    from gateway.templating import _common_prefix_len
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        a = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        b = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        assert _common_prefix_len(a, b) == n, (a, b)
