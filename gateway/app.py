@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import logging
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import jinja2
@@ -88,6 +90,19 @@ def served_name(settings: Settings) -> str:
     return settings.served_model_name or Path(settings.tokenizer.rstrip("/")).name or "rollway"
 
 
+class GatewayApp(FastAPI):
+    """FastAPI, with the agent-facing OpenAI routes served ahead of its middleware stack (`routes.dispatch`),
+    and every request of both kinds counted by `RequestMetrics`."""
+
+    def __init__(self, *, routes: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._entry = RequestMetrics(SessionRoutes(functools.partial(FastAPI.__call__, self), routes))
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        scope["app"] = self
+        await self._entry(scope, receive, send)
+
+
 def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -137,13 +152,11 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
             await http.close()
             await engine.dispose()
 
-    app = FastAPI(title="rollway gateway", lifespan=lifespan)
-    app.state.admin_key = admin_key
-    _install_error_handlers(app)
     from gateway.routes import backends, groups, openai_api, responses, system, training
 
-    app.add_middleware(SessionRoutes, routes={**openai_api.ROUTES, **responses.ROUTES})
-    app.add_middleware(RequestMetrics)  # outermost: it counts both kinds of route
+    app = GatewayApp(routes={**openai_api.ROUTES, **responses.ROUTES}, title="rollway gateway", lifespan=lifespan)
+    app.state.admin_key = admin_key
+    _install_error_handlers(app)
     app.include_router(groups.router)
     app.include_router(training.router)
     app.include_router(backends.router)

@@ -148,6 +148,8 @@ class ChatTemplate:
         self.chat_template = chat_template
         """Replaces the tokenizer's own template when given (e.g. a --chat-template file)."""
         self.tool_parser: ToolParser = get_tool_parser(tool_parser)
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        """The Rust tokenizer of a fast tokenizer (None for a slow one)."""
         self.template_kwargs = dict(template_kwargs or {})
         """Extra variables for the template (e.g. Qwen3's enable_thinking)."""
         vocab = tokenizer.get_vocab()
@@ -285,6 +287,8 @@ class ChatTemplate:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Ids to text with special tokens kept and no space clean-up (the exact text)."""
+        if self._backend is not None:  # what transformers' decode calls, without its wrapper
+            return str(self._backend.decode(list(ids), skip_special_tokens=False))
         return str(
             self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         )
