@@ -106,8 +106,8 @@ class GatewayApp(FastAPI):
 def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = create_engine(settings.db_url)
-        store = Store(engine)
+        store = Store(create_engine(settings.db_url))
+        await store.open()
         http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=settings.backend_timeout_s),
@@ -150,7 +150,7 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
             sweeper.cancel()
             await pool.stop()
             await http.close()
-            await engine.dispose()
+            await store.close()
 
     from gateway.routes import backends, groups, openai_api, responses, system, training
 

@@ -99,6 +99,7 @@ class BackendPool:
         """Take a server out; requests running on it finish there. KeyError if unknown."""
         backend = self._backends.pop(backend_id)
         backend.healthy = False
+        backend.client.close()
         return backend
 
     def get(self, backend_id: str) -> Backend:
@@ -235,6 +236,8 @@ class BackendPool:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        for backend in self._backends.values():
+            backend.client.close()
 
     async def _health_loop(self) -> None:
         while True:

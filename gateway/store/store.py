@@ -1,8 +1,8 @@
 """Store: the gateway's queries over groups, sessions and turns (SQLAlchemy Core).
 
-The statements of every chat call — the session lookup by key and the turn insert with its transaction — go
-straight to a sqlite3 connection of their own on the embedded SQLite store (same SQL, same stored values):
-SQLAlchemy's statement and transaction handling was ~0.5 ms of the gateway's CPU per call (py-spy).
+The two statements of every chat call — the session lookup by key and the turn insert — go straight to the
+driver (`direct.py`) once the store is opened; the Core versions here are what they replace, and what a
+store that was not opened uses.
 
 Every method is one transaction. Group state follows from its sessions and is recomputed in the same
 transaction that changes a session, so a group's state is never ahead of or behind its rows.
@@ -14,51 +14,21 @@ import asyncio
 import contextlib
 import hashlib
 import secrets
-import sqlite3
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
 
-import orjson
-from sqlalchemy import JSON, Boolean, Table, and_, func, select, update
+from sqlalchemy import Table, and_, func, select, update
 
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.store.db import DbConnection, DbEngine, InLoopEngine
+from gateway.store.direct import Direct, PgStatements, SqliteStatements
 from gateway.store.models import Group, Session, Turn
 
 G = cast(Table, Group.__table__)
 S = cast(Table, Session.__table__)
 T = cast(Table, Turn.__table__)
-
-_AUTH_SQL = (f"SELECT s.id, s.group_id, s.state, s.turn_count, g.sampling FROM {S.name} s "
-             f"JOIN {G.name} g ON g.id = s.group_id WHERE s.")
-_BUMP_SQL = f"UPDATE {S.name} SET turn_count = turn_count + 1, last_active_at = ? WHERE id = ? RETURNING turn_count"
-_TURN_COLUMNS = list(T.columns)
-_INSERT_TURN_SQL = (f"INSERT INTO {T.name} ({', '.join(c.name for c in _TURN_COLUMNS)}) "
-                    f"VALUES ({', '.join('?' for _ in _TURN_COLUMNS)})")
-
-
-def _json_text(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
-
-
-def _turn_params(values: dict[str, Any]) -> list[Any]:
-    """A turn's values as SQLAlchemy would bind them on SQLite: JSON as text, booleans as 0/1, absent columns
-    as their scalar default (else NULL)."""
-    out: list[Any] = []
-    for col in _TURN_COLUMNS:
-        if col.name in values:
-            v = values[col.name]
-        else:
-            default = col.default
-            v = default.arg if default is not None and default.is_scalar else None  # type: ignore[attr-defined]
-        if isinstance(col.type, JSON) and col.name in values:
-            v = _json_text(v)
-        elif isinstance(col.type, Boolean) and v is not None:
-            v = int(bool(v))
-        out.append(v)
-    return out
 
 
 def new_id(prefix: str) -> str:
@@ -109,7 +79,26 @@ class Store:
         # (up to 100 ms a try) rather than being woken when it frees. Measured in the demo: reward and finish
         # took 125 ms on average that way. So this process's writers queue here, in order, instead.
         self._write_lock = asyncio.Lock() if engine.dialect.name == "sqlite" else None
-        self._sqlite = engine.hot_connection() if isinstance(engine, InLoopEngine) else None
+        self.direct: Direct | None = None
+        """The per-call statements straight to the driver; set by `open`."""
+
+    async def open(self) -> None:
+        """Open the direct path of the per-call statements (see `direct.py`)."""
+        if self.direct is not None:
+            return
+        if isinstance(self.engine, InLoopEngine):
+            db = self.engine.hot_connection()
+            if db is not None and self._write_lock is not None:
+                self.direct = SqliteStatements(db, self._write_lock)
+        elif self.engine.dialect.name == "postgresql":
+            url = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+            self.direct = await PgStatements.open(url)
+
+    async def close(self) -> None:
+        if self.direct is not None:
+            await self.direct.close()
+            self.direct = None
+        await self.engine.dispose()
 
     @contextlib.asynccontextmanager
     async def begin(self) -> AsyncIterator[DbConnection]:
@@ -150,17 +139,14 @@ class Store:
         return gid, creds
 
     async def session_auth(self, *, key: str | None = None, session_id: str | None = None) -> SessionAuth | None:
-        if self._sqlite is not None:
-            where, value = ("key_hash = ?", hash_key(key)) if key is not None else ("id = ?", session_id)
-            raw = self._sqlite.execute(_AUTH_SQL + where, (value,)).fetchone()
-            if raw is None:
-                return None
-            return SessionAuth(raw[0], raw[1], raw[2], raw[3], orjson.loads(raw[4] or "null"))
-        cond = S.c.key_hash == hash_key(key) if key is not None else S.c.id == session_id
+        column, value = ("key_hash", hash_key(key)) if key is not None else ("id", session_id)
+        if self.direct is not None:
+            raw = await self.direct.session_auth(column, str(value))
+            return None if raw is None else SessionAuth(*raw)
         q = (
             select(S.c.id, S.c.group_id, S.c.state, S.c.turn_count, G.c.sampling)
             .join(G, G.c.id == S.c.group_id)
-            .where(cond)
+            .where(S.c[column] == value)
         )
         async with self.engine.connect() as conn:
             row = (await conn.execute(q)).first()
@@ -178,9 +164,8 @@ class Store:
     async def insert_turn(self, session_id: str, values: dict[str, Any]) -> int:
         """Store one turn and bump the session's turn count; returns the turn's seq. Durable on return."""
         now = time.time()
-        if self._sqlite is not None:
-            async with self._write_lock or contextlib.nullcontext():
-                return self._insert_turn_sqlite(self._sqlite, session_id, now, values)
+        if self.direct is not None:
+            return await self.direct.insert_turn(session_id, now, values)
         async with self.begin() as conn:
             seq = (
                 await conn.execute(
@@ -192,24 +177,6 @@ class Store:
             ).scalar_one()
             await conn.execute(T.insert().values(session_id=session_id, seq=seq, created_at=now, **values))
         return int(seq)
-
-    @staticmethod
-    def _insert_turn_sqlite(db: sqlite3.Connection, session_id: str, now: float, values: dict[str, Any]) -> int:
-        """insert_turn's transaction on the hot sqlite3 connection (the caller holds the write lock)."""
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            bumped = db.execute(_BUMP_SQL, (now, session_id)).fetchall()
-            if not bumped:
-                raise NotFound(f"no session {session_id}")
-            seq = int(bumped[0][0])
-            db.execute(_INSERT_TURN_SQL, _turn_params({"session_id": session_id, "seq": seq, "created_at": now,
-                                                       **values}))
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
-        return seq
 
     # --- rewards and lifecycle -------------------------------------------------------------------
 

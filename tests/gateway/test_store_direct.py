@@ -1,0 +1,65 @@
+"""The per-call statements sent straight to the driver (gateway/store/direct.py) store and read exactly what the
+SQLAlchemy Core path does, on SQLite and on PostgreSQL; a turn for an unknown session stores nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from gateway.errors import NotFound
+from gateway.store.db import create_engine
+from gateway.store.store import Store
+from gateway.wire import pack
+
+
+def turn_values(turn_id: str) -> dict[str, Any]:
+    return dict(id=turn_id, parent_id=None, endpoint="chat",
+                request={"messages": [{"role": "user", "content": "é 1+1"}], "tools": None, "asked": {"n": 1}},
+                reply={"role": "assistant", "content": "2"}, prompt_ids=pack([1, 2, 3], "int32"), prompt_len=3,
+                completion_ids=pack([4], "int32"), logprobs=pack([-0.5], "float32"), versions=pack([0], "int32"),
+                temperature=1.0, finish_reason="stop", continuity="new-chain", chain_reason=None,
+                client_disconnected=True, timings={"started": 1.5, "backend": None})
+
+
+async def test_direct_statements_store_and_read_what_sqlalchemy_does(db_url: str) -> None:
+    store = Store(create_engine(db_url))
+    await store.open()
+    try:
+        assert store.direct is not None
+        _, creds = await store.create_group({"q": 1}, 2, sampling={"temperature": 0.7})
+        sid, key = creds[0]
+        direct_auth = await store.session_auth(key=key)
+        assert await store.insert_turn(sid, turn_values("t-direct")) == 1
+        direct, store.direct = store.direct, None  # the SQLAlchemy path
+        core_auth = await store.session_auth(key=key)
+        assert await store.insert_turn(sid, turn_values("t-core")) == 2
+        store.direct = direct
+        assert core_auth is not None and core_auth.turn_count == 1
+        assert direct_auth == dataclasses.replace(core_auth, turn_count=0)
+        assert direct_auth.sampling["temperature"] == 0.7
+        assert await store.session_auth(session_id=sid) == dataclasses.replace(core_auth, turn_count=2)
+        d_row, c_row = await store.session_turns(sid)
+        assert (d_row.id, d_row.seq, c_row.id, c_row.seq) == ("t-direct", 1, "t-core", 2)
+        for name in d_row.__slots__:
+            if name not in ("id", "seq"):
+                assert getattr(d_row, name) == getattr(c_row, name), name
+        assert d_row.client_disconnected is True and d_row.reward is None
+        assert await store.session_auth(key="rw-nope") is None and await store.session_auth(session_id="x") is None
+    finally:
+        await store.close()
+
+
+async def test_a_turn_for_an_unknown_session_stores_nothing(db_url: str) -> None:
+    store = Store(create_engine(db_url))
+    await store.open()
+    try:
+        with pytest.raises(NotFound):
+            await store.insert_turn("sess_missing", turn_values("t-orphan"))
+        _, creds = await store.create_group({"q": 2}, 2, sampling={})
+        assert await store.insert_turn(creds[0][0], turn_values("t-kept")) == 1  # the store is still usable
+        assert [r.id for r in await store.session_turns(creds[0][0])] == ["t-kept"]
+        assert await store.session_turns("sess_missing") == []
+    finally:
+        await store.close()
