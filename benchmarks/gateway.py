@@ -36,6 +36,7 @@ import os
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -408,19 +409,43 @@ def run_config(name: str, args: argparse.Namespace, wl: Workload, procs: Procs, 
 # --- report -------------------------------------------------------------------------------------------
 
 
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (config, C): the median of each figure over the rounds (this machine is shared: a round
+    can land in a slow spell; the median of interleaved rounds is what the targets are checked on)."""
+    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault((r["config"], r["concurrency"]), []).append(r)
+    out = []
+    for (config, conns), rs in by.items():
+        row: dict[str, Any] = {"config": config, "concurrency": conns, "rounds": len(rs)}
+        for k, v in rs[0].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("concurrency", "round"):
+                row[k] = statistics.median(r[k] for r in rs)
+            elif k not in row and k != "round":
+                row[k] = v
+        out.append(row)
+    return out
+
+
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    med = summarize(rows)
+    print(f"\nCPU columns are ms per completed request; server = the process tree under test; "
+          f"medians over {args.repeat} round(s)")
     head = (f"{'config':<12}{'C':>4}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'server':>9}{'backend':>9}"
             f"{'pg all':>9}{'pg ours':>9}{'wrk':>8}{'other%':>8}{'extends':>8}{'errors':>7}")
-    print("\nCPU columns are ms per completed request; server = the process tree under test")
     print(head)
     print("-" * len(head))
-    for r in rows:
+    for r in med:
         ext = f"{r['extends_frac']:.2f}" if "extends_frac" in r else "-"
         print(f"{r['config']:<12}{r['concurrency']:>4}{r['req_s']:>9.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}"
               f"{r['server_cpu_ms']:>9.3f}{r['backend_cpu_ms']:>9.3f}{r['pg_cpu_ms']:>9.3f}{r['pg_ours_cpu_ms']:>9.3f}"
               f"{r['wrk_cpu_ms']:>8.3f}{r['other_cpu_pct']:>8.0f}{ext:>8}{r['errors']:>7}")
-    by = {(r["config"], r["concurrency"]): r for r in rows}
-    passthrough = [r["req_s"] for r in rows if r["config"] == "passthrough"]
+    by = {(r["config"], r["concurrency"]): r for r in med}
+    # The throughput target compares with the pass-through of the same round, then takes the median.
+    rounds: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r["concurrency"] == 32:
+            rounds.setdefault(r["round"], {})[r["config"]] = r["req_s"]
     targets: dict[str, Any] = {}
     for db in ("sqlite", "postgres"):
         row = by.get((db, 32))
@@ -428,16 +453,20 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             continue
         targets[f"{db}_c32_cpu_ms"] = round(row["server_cpu_ms"], 3)
         targets[f"{db}_c32_cpu_ok"] = row["server_cpu_ms"] <= 1.0
-        if passthrough:
-            ratio = row["req_s"] / max(passthrough)
-            targets[f"{db}_c32_vs_fastest_passthrough"] = round(ratio, 3)
+        ratios = [rs[db] / rs["passthrough"] for rs in rounds.values() if db in rs and "passthrough" in rs]
+        if ratios:
+            ratio = statistics.median(ratios)
+            targets[f"{db}_c32_vs_passthrough"] = round(ratio, 3)
             targets[f"{db}_c32_throughput_ok"] = ratio >= 0.35
-    print("\ntargets at C=32: gateway CPU <= 1 ms per recorded completion; >= 35% of the fastest pass-through")
+    print("\ntargets at C=32: gateway CPU <= 1 ms per recorded completion; >= 35% of the pass-through's req/s "
+          "(same round)")
     for k, v in targets.items():
         print(f"  {k}: {v}")
     summary = {
-        "benchmark": "gateway", "seconds": args.seconds, "warmup": args.warmup, "cpus": os.cpu_count(),
-        "prompt_tokens": [len(args.workload.ids1), len(args.workload.ids2)], "completion_tokens": 30,
+        "benchmark": "gateway", "seconds": args.seconds, "warmup": args.warmup, "repeat": args.repeat,
+        "cpus": os.cpu_count(), "prompt_tokens": [len(args.workload.ids1), len(args.workload.ids2)],
+        "completion_tokens": 30,
+        "medians": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in med],
         "results": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows],
         "targets": targets,
     }
@@ -451,6 +480,8 @@ def main() -> None:
     parser.add_argument("--levels", type=int, nargs="+", default=list(LEVELS), help="concurrency levels")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 s windows, 1 s warm-up")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds over all configs (interleaved); figures are the medians of the rounds")
     parser.add_argument("--pg-host", default="127.0.0.1")
     parser.add_argument("--pg-port", type=int, default=5432)
     parser.add_argument("--py-spy", default="", metavar="DIR", help="py-spy record the gateway into DIR")
@@ -478,9 +509,12 @@ def main() -> None:
             backend_proc = procs.start("backend", [sys.executable, "-m", "tests.fakes.fast_backend", "--port", str(port)])
             backend = f"http://127.0.0.1:{port}"
             wait_up(f"{backend}/health", backend_proc, procs, "backend")
-            for name in args.configs:
-                print(f"{name}: C={args.levels}, {args.warmup} s warm-up + {args.seconds} s", file=sys.stderr)
-                rows += run_config(name, args, wl, procs, backend, backend_proc.pid, tokenizer, workdir)
+            for round_ in range(args.repeat):
+                for name in args.configs:
+                    print(f"{name} (round {round_ + 1}/{args.repeat}): C={args.levels}, {args.warmup} s warm-up + "
+                          f"{args.seconds} s", file=sys.stderr)
+                    got = run_config(name, args, wl, procs, backend, backend_proc.pid, tokenizer, workdir)
+                    rows += [{**r, "round": round_} for r in got]
         finally:
             procs.stop_all()
     report(rows, args)

@@ -28,6 +28,7 @@ class CachedEncoder:
         self._backend: Any = None
         self._specials: dict[str, int] = {}
         self._split: re.Pattern[str] | None = None
+        self._batch_fast: Any = None
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None or backend.truncation is not None or backend.padding is not None:
             return
@@ -40,6 +41,7 @@ class CachedEncoder:
             specials[added.content] = int(token_id)
         self._backend = backend
         self._specials = specials
+        self._batch_fast = getattr(backend, "encode_batch_fast", None)  # tokenizers >= 0.21: skips offsets
         if specials:
             # Longest first: at one position the longest added token wins (leftmost-longest, as tokenizers).
             alternatives = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
@@ -69,7 +71,10 @@ class CachedEncoder:
         if ids is not None:
             cache.move_to_end(piece)
             return ids
-        ids = tuple(self._backend.encode(piece, add_special_tokens=False).ids)
+        if self._batch_fast is not None:
+            ids = tuple(self._batch_fast([piece], add_special_tokens=False)[0].ids)
+        else:
+            ids = tuple(self._backend.encode(piece, add_special_tokens=False).ids)
         if len(piece) * 4 <= self._max_chars:  # one huge piece would evict everything: not kept
             cache[piece] = ids
             self._chars += len(piece)
