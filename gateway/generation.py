@@ -10,7 +10,6 @@ drive an update"). The agent sees one reply.
 from __future__ import annotations
 
 import functools
-import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from gateway.errors import BadRequest, ServiceUnavailable
 from gateway.pool import Backend, BackendPool, NoBackendAvailable
 from gateway.sglang import BackendRejected, BackendUnavailable
+from gateway.store.store import unique_id
 
 
 def parse_version(v: str | None) -> int:
@@ -73,7 +73,7 @@ async def generate(
 
     Raises ServiceUnavailable when no backend answers or the reply was interrupted too often.
     """
-    base_rid = uuid.uuid4().hex
+    base_rid = unique_id("")
     for attempt in range(max_resubmits + 1):
         budget = max_new_tokens - len(out.ids)
         if budget <= 0:

@@ -20,7 +20,7 @@ from gateway.errors import BadRequest, Conflict, ContextLengthExceeded
 from gateway.generation import Generation
 from gateway.metrics import Metrics
 from gateway.sessions_cache import SessionCache, SessionView
-from gateway.store.store import SessionAuth, Store, new_id
+from gateway.store.store import SessionAuth, Store, unique_id
 from gateway.templating import ChatTemplate
 from gateway.tool_parsers import ParsedReply, ToolParser, get_tool_parser, parse_reply
 from gateway.wire import pack
@@ -114,7 +114,7 @@ class TurnService:
         sampling, temperature = self._sampling(auth.sampling, req)
         prefix = "resp_" if req.endpoint == "responses" else ("cmpl-" if req.endpoint == "completions" else "chatcmpl-")
         return PreparedTurn(
-            auth=auth, req=req, turn_id=new_id(prefix), prompt_ids=prompt, prompt_delta=delta,
+            auth=auth, req=req, turn_id=unique_id(prefix), prompt_ids=prompt, prompt_delta=delta,
             parent_id=parent_id, chain_reason=reason, prompt_text=text, sampling=sampling, temperature=temperature,
             max_new_tokens=max_new, started=started,
         )
