@@ -63,3 +63,30 @@ async def test_a_turn_for_an_unknown_session_stores_nothing(db_url: str) -> None
         assert await store.session_turns("sess_missing") == []
     finally:
         await store.close()
+
+
+async def test_concurrent_turns_share_commits_and_a_bad_one_fails_alone(db_url: str) -> None:
+    """Turns stored together (SQLite group-commits them) each get their own seq; an unknown session and a
+    duplicate turn id fail only their own call."""
+    import asyncio
+
+    store = Store(create_engine(db_url))
+    await store.open()
+    try:
+        _, creds = await store.create_group({"q": 3}, 8, sampling={})
+        sids = [sid for sid, _ in creds]
+        await store.insert_turn(sids[0], turn_values("t-dup"))
+        calls = [store.insert_turn(sid, turn_values(f"t-{i}-{sid}")) for i in range(3) for sid in sids]
+        calls.append(store.insert_turn("sess_missing", turn_values("t-missing")))
+        calls.append(store.insert_turn(sids[1], turn_values("t-dup")))  # the id is taken
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert isinstance(results[-2], NotFound)
+        assert isinstance(results[-1], Exception) and not isinstance(results[-1], NotFound)
+        for k, sid in enumerate(sids):  # (on PostgreSQL the three calls of a session may land in any order)
+            rows = await store.session_turns(sid)
+            assert [r.seq for r in rows] == list(range(1, len(rows) + 1))
+            assert sorted(r.id for r in rows if r.id != "t-dup") == [f"t-{i}-{sid}" for i in range(3)]
+            first = 2 if k == 0 else 1  # the first session already had a turn
+            assert sorted(results[k:-2:len(sids)]) == [first, first + 1, first + 2]  # type: ignore[type-var]
+    finally:
+        await store.close()
