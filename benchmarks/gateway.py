@@ -4,6 +4,8 @@ recording to SQLite and (d) to PostgreSQL, at concurrency 1, 32 and 128.
 
     python benchmarks/gateway.py                  # full run: 2 s warm-up + 10 s per measurement
     python benchmarks/gateway.py --quick          # smoke run
+    python benchmarks/gateway.py --levels 32 --configs passthrough sqlite postgres --repeat 3
+                                                  # the issue's targets, medians of 3 interleaved rounds
     python benchmarks/gateway.py --configs sqlite --levels 32 --py-spy /tmp/prof   # profile one point
 
 Workload (one tool offered; system + user + an earlier assistant tool call and its tool result; logprobs
@@ -23,7 +25,10 @@ else uses that server; `pg_ours` counts only the backends connected to our datab
 `other%` is the machine's busy CPU not accounted for by these: other work on the machine.
 
 Targets (issue): at C=32 the gateway spends <= 1 ms CPU per recorded chat completion, and serves >= 35% of
-the fastest pass-through's req/s. Needs `wrk` on PATH, PostgreSQL at --pg (trust auth) for `postgres`.
+the pass-through's req/s. This machine is shared and its speed drifts by tens of percent over minutes (the
+pass-through alone was seen at 0.30-0.43 ms CPU per request), so `--repeat N` runs every configuration N
+times, interleaved, and reports medians; the throughput ratio is taken against the pass-through of the same
+round. Needs `wrk` on PATH, PostgreSQL at --pg (trust auth) for `postgres`.
 """
 
 from __future__ import annotations

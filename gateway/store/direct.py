@@ -169,8 +169,10 @@ class PgStatements:
         import asyncpg
 
         # No reset on release (asyncpg's default is a round trip per release, ~5% of the gateway's CPU): these
-        # statements leave no session state behind (no transaction, SET, LISTEN or advisory lock).
-        return cls(await asyncpg.create_pool(url, min_size=1, max_size=max_size, reset=_keep_as_is))
+        # statements leave no session state behind (no transaction, SET, LISTEN or advisory lock). No idle
+        # expiry either: it arms and cancels a timer on every release and acquire.
+        return cls(await asyncpg.create_pool(url, min_size=1, max_size=max_size, reset=_keep_as_is,
+                                             max_inactive_connection_lifetime=0))
 
     async def session_auth(self, column: str, value: str) -> AuthRow | None:
         raw = await self.pool.fetchrow(f"{_AUTH}{column} = $1", value)
