@@ -13,14 +13,12 @@ import functools
 import gc
 import json
 import logging
-import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import jinja2
-import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -29,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics, RequestMetrics
 from gateway.pool import Backend, BackendPool
-from gateway.routes.common import error_response
+from gateway.routes.common import STORE_UNAVAILABLE, error_response
 from gateway.routes.dispatch import SessionRoutes
 from gateway.sessions_cache import SessionCache
 from gateway.settings import Settings
@@ -92,7 +90,8 @@ def served_name(settings: Settings) -> str:
 
 class GatewayApp(FastAPI):
     """FastAPI, with the agent-facing OpenAI routes served ahead of its middleware stack (`routes.dispatch`),
-    and every request of both kinds counted by `RequestMetrics`."""
+    and every request of both kinds counted by `RequestMetrics`. A middleware added with `add_middleware`
+    (CORS, say) wraps the FastAPI routes only; wrap the app itself to reach the OpenAI routes too."""
 
     def __init__(self, *, routes: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -191,6 +190,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def handle(_: Request, exc: Exception) -> Response:
         return error_response(exc)
 
+    # Each kind by name (an `Exception` handler alone answers, then re-raises to the server as a crash).
     for exc_type in (GatewayError, RequestValidationError, StarletteHTTPException, jinja2.TemplateError,
-                     sqlalchemy.exc.OperationalError, sqlite3.OperationalError, Exception):
+                     *STORE_UNAVAILABLE, Exception):
         app.add_exception_handler(exc_type, handle)

@@ -7,13 +7,17 @@ rendered chat repeat: the system prompt with its tool block is the same for ever
 and bridge text recur. Only new text (a user message, a tool result) reaches the tokenizer; the rest is a
 dictionary hit. On the gateway benchmark's 376-token prompts this takes encoding from ~0.31 ms to ~0.03 ms.
 
-The piece-wise path is used only where it is provably the same: a fast tokenizer with no truncation or
-padding, and no raw-text added token that strips neighbouring spaces or matches single words only (those
-look across piece boundaries). Anything else encodes the whole text, as before.
+The piece-wise path is used only where it is the same: a fast tokenizer with no truncation or padding, that
+does not encode special tokens as text, with no raw-text added token that strips neighbouring spaces or
+matches single words only (those look across piece boundaries), and no Metaspace that prepends "▁" to the
+first piece of the input only (`prepend_scheme: "first"`, Mistral-style: each piece would be a first one).
+At start, piece-wise and whole-text encodes of probe strings around every added token must agree. Anything
+else encodes the whole text, as before.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections import OrderedDict
 from typing import Any
@@ -32,6 +36,8 @@ class CachedEncoder:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None or backend.truncation is not None or backend.padding is not None:
             return
+        if getattr(backend, "encode_special_tokens", False) or _prepends_to_first_only(backend):
+            return
         specials: dict[str, int] = {}
         for token_id, added in backend.get_added_tokens_decoder().items():
             if added.normalized:
@@ -46,6 +52,12 @@ class CachedEncoder:
             # Longest first: at one position the longest added token wins (leftmost-longest, as tokenizers).
             alternatives = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
             self._split = re.compile(f"({alternatives})")
+        for special in specials:
+            for probe in (f"{special}x", f"x{special}y", f"{special}\n x", f" {special} {special}Hello"):
+                if self.encode(probe) != list(backend.encode(probe, add_special_tokens=False).ids):
+                    self._backend = None  # not the same here: whole-text encodes
+                    self._cache.clear()
+                    return
 
     @property
     def piecewise(self) -> bool:
@@ -82,3 +94,19 @@ class CachedEncoder:
                 old, _ = cache.popitem(last=False)
                 self._chars -= len(old)
         return ids
+
+
+def _prepends_to_first_only(backend: Any) -> bool:
+    """Whether a Metaspace in the pipeline prepends its replacement to the input's first piece only."""
+
+    def walk(node: Any) -> bool:
+        if isinstance(node, dict):
+            if node.get("prepend_scheme") == "first":
+                return True
+            return any(walk(v) for v in node.values())
+        if isinstance(node, list):
+            return any(walk(v) for v in node)
+        return False
+
+    config = json.loads(backend.to_str())
+    return walk(config.get("pre_tokenizer")) or walk(config.get("normalizer"))

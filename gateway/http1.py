@@ -6,10 +6,12 @@ httptools (which uvicorn already uses), ~0.03 ms. Streaming and the control call
 
 What it does: POST a body, read one response with a Content-Length or chunked body, keep the connection for
 the next request unless the server closes it. A connection idle for `idle_timeout` is dropped before the
-server's own keep-alive timeout (uvicorn's default is 5 s) could close it under a request; a reused
-connection that dies before any byte of its answer (the server closed it while idle) is retried once on a
-fresh one, as the request never reached the server. Anything that ends a request early — a timeout, a
-cancelled caller, a broken answer — closes its connection (for SGLang, closing aborts the request).
+server's own keep-alive timeout (uvicorn's default is 5 s) could close it under a request. A reused
+connection that dies without a byte of answer within `STALE_WINDOW_S` of the request being written is taken
+for one the server had closed while idle (the request most likely never reached it) and the request is sent
+once more on a fresh connection, with what is left of the timeout; later, it is an error for the caller
+(the pool fails over). Anything that ends a request early — a timeout, a cancelled caller, a broken answer —
+closes its connection (for SGLang, closing aborts the request).
 
 Errors: `OSError` (refused, reset, closed; `ConnectionError` included), `TimeoutError`, and `BadResponse`
 for bytes that are not HTTP.
@@ -22,6 +24,8 @@ import ssl
 import urllib.parse
 
 import httptools
+
+STALE_WINDOW_S = 0.25
 
 
 class BadResponse(Exception):
@@ -110,12 +114,16 @@ class Http1Client:
                 % (self._base, path.encode(), self._host_header, content_type, len(body)))
         conn = self._take()
         if conn is not None:
+            loop = asyncio.get_running_loop()
+            sent = loop.time()
             try:
                 return await self._exchange(conn, head + body, timeout)
             except ConnectionError:
-                if conn.answered:
+                waited = loop.time() - sent
+                if conn.answered or waited > STALE_WINDOW_S:
                     raise
-                # Closed by the server while idle: the request never reached it. Once more, on a new one.
+                if timeout is not None:
+                    timeout -= waited
         return await self._exchange(await self._connect(), head + body, timeout)
 
     def close(self) -> None:

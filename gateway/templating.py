@@ -164,6 +164,7 @@ class ChatTemplate:
         """Model eos ids (generation_config) and the end-of-turn id, deduplicated, in that order."""
         self._stop_set = frozenset(self.stop_token_ids)
         self._markers = tuple(self.decode([i]) for i in self.stop_token_ids)
+        self._longest_marker = max(map(len, self._markers), default=1)
         self._encoder = CachedEncoder(tokenizer)
         self._variables = {**tokenizer.special_tokens_map, **self.template_kwargs}
 
@@ -230,7 +231,9 @@ class ChatTemplate:
         # earlier message. The reply starts where the rendering of what came before it stops agreeing.
         if parent_prompt is None:
             parent_prompt = self.render_text(prev_messages[:-1], tools, add_generation_prompt=False)
-        reply_start = _common_prefix_len(parent_prompt, prefix)
+        # The parent's prompt ends with the generation prompt, which may share leading characters with the
+        # reply's end marker (an empty reply): step back so the marker is searched for from its start.
+        reply_start = max(0, _common_prefix_len(parent_prompt, prefix) - self._longest_marker + 1)
         end = -1
         for marker in self._markers:
             at = prefix.rfind(marker, reply_start)

@@ -7,6 +7,7 @@ import logging
 import sqlite3
 from typing import Any, TypeVar
 
+import asyncpg
 import jinja2
 import orjson
 import sqlalchemy.exc
@@ -20,6 +21,10 @@ from starlette.requests import ClientDisconnect
 from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, error_body
 
 M = TypeVar("M", bound=BaseModel)
+# The store could not be reached or locked: through SQLAlchemy, or from the direct statements' own drivers.
+STORE_UNAVAILABLE = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlite3.OperationalError,
+                      asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.TooManyConnectionsError,
+                      asyncpg.CannotConnectNowError)
 log = logging.getLogger("rollway.gateway")
 
 
@@ -84,9 +89,9 @@ def error_response(exc: Exception) -> Response:
         # The model's chat template refused the conversation (e.g. roles in an order it does not allow).
         return json_response(error_body(f"the chat template refused these messages: {exc}", "invalid_request_error",
                                         "messages"), 400)
-    if isinstance(exc, (sqlalchemy.exc.OperationalError, sqlite3.OperationalError)):
-        # SQLite's write lock held past busy_timeout (another process on the file), or the database away:
-        # nothing of this request was stored; the client may retry.
+    if isinstance(exc, STORE_UNAVAILABLE):
+        # SQLite's write lock held past busy_timeout (another process on the file), or the database away or
+        # restarting: nothing of this request was stored; the client may retry.
         log.warning("store unavailable: %s", getattr(exc, "orig", exc))
         return json_response(error_body("the trajectory store is busy or unreachable; retry", "server_error",
                                         code="store_unavailable"), 503, {"Retry-After": "1"})

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from fastapi import Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
+from starlette.routing import get_route_path
 
 from gateway.errors import error_body
 from gateway.routes.common import error_response, json_response
@@ -42,7 +43,7 @@ class SessionRoutes:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope["path"]
+        path: str = get_route_path(scope)  # without a --root-path prefix, as Starlette routes
         session_id: str | None = None
         if path.startswith("/sessions/"):
             session_id, slash, rest = path[len("/sessions/"):].partition("/")

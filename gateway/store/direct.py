@@ -57,6 +57,10 @@ def turn_params(values: dict[str, Any]) -> list[Any]:
     return out
 
 
+class _TransactionFailed(Exception):
+    """BEGIN or COMMIT failed (its cause is the driver's error): no turn of the batch was stored."""
+
+
 class SqliteStatements:
     """Turns are group-committed: those stored in the same turn of the event loop share one transaction (a
     commit writes the WAL pages it dirtied, ~45 us for one turn alone, and turns share pages)."""
@@ -100,9 +104,13 @@ class SqliteStatements:
             self._writer = None
 
     def _commit_or_split(self, batch: list[tuple[str, float, list[Any], asyncio.Future[int]]]) -> None:
-        """One transaction for the batch; if it fails, each turn again on its own (one bad turn fails alone)."""
+        """One transaction for the batch; if a statement fails, each turn again on its own (one bad turn fails
+        alone). If the transaction itself could not start or commit (the file locked past busy_timeout by
+        another process, the disk), every turn of the batch gets that error at once."""
         try:
             results = self._commit(batch)
+        except _TransactionFailed as e:
+            results = [cast(Exception, e.__cause__)] * len(batch)
         except Exception as e:  # recovery: retried turn by turn below, or answered with the error
             if len(batch) > 1:
                 for item in batch:
@@ -120,7 +128,10 @@ class SqliteStatements:
     def _commit(self, batch: list[tuple[str, float, list[Any], asyncio.Future[int]]]) -> list[int | Exception]:
         db = self.db
         results: list[int | Exception] = []
-        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            raise _TransactionFailed() from e
         try:
             for session_id, now, params, _ in batch:
                 bumped = db.execute(self._BUMP, (now, session_id)).fetchall()
@@ -130,7 +141,10 @@ class SqliteStatements:
                 params[self._SEQ] = seq = int(bumped[0][0])
                 db.execute(self._INSERT, params)
                 results.append(seq)
-            db.execute("COMMIT")
+            try:
+                db.execute("COMMIT")
+            except sqlite3.Error as e:
+                raise _TransactionFailed() from e
         except BaseException:
             if db.in_transaction:
                 db.execute("ROLLBACK")
@@ -165,14 +179,15 @@ class PgStatements:
         self.pool = pool
 
     @classmethod
-    async def open(cls, url: str, max_size: int = 16) -> PgStatements:
+    async def open(cls, connect_args: dict[str, Any], max_size: int = 16) -> PgStatements:
+        """`connect_args`: asyncpg.connect keywords, as SQLAlchemy's asyncpg dialect derives them from the URL."""
         import asyncpg
 
         # No reset on release (asyncpg's default is a round trip per release, ~5% of the gateway's CPU): these
         # statements leave no session state behind (no transaction, SET, LISTEN or advisory lock). No idle
         # expiry either: it arms and cancels a timer on every release and acquire.
-        return cls(await asyncpg.create_pool(url, min_size=1, max_size=max_size, reset=_keep_as_is,
-                                             max_inactive_connection_lifetime=0))
+        return cls(await asyncpg.create_pool(min_size=1, max_size=max_size, reset=_keep_as_is,
+                                             max_inactive_connection_lifetime=0, **connect_args))
 
     async def session_auth(self, column: str, value: str) -> AuthRow | None:
         raw = await self.pool.fetchrow(f"{_AUTH}{column} = $1", value)
@@ -191,7 +206,7 @@ class PgStatements:
     async def close(self) -> None:
         try:
             await asyncio.wait_for(self.pool.close(), 10)
-        except TimeoutError:  # a connection stuck in a query: shut it without waiting
+        except asyncio.TimeoutError:  # a connection stuck in a query: shut it without waiting
             self.pool.terminate()
 
 

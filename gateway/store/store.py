@@ -44,7 +44,8 @@ os.register_at_fork(after_in_child=_unique.seed)
 
 def unique_id(prefix: str) -> str:
     """128 random bits, hex, for ids that must be unique but are no secret (turns, backend requests): a
-    pseudo-random draw, without new_id's system call per id on the hot path."""
+    pseudo-random draw, without new_id's system call per id on the hot path. Predictable from earlier ids:
+    never use one as a capability (a turn id only ever counts together with its session's key or id)."""
     return f"{prefix}{_unique.getrandbits(128):032x}"
 
 
@@ -103,8 +104,8 @@ class Store:
             if db is not None and self._write_lock is not None:
                 self.direct = SqliteStatements(db, self._write_lock)
         elif self.engine.dialect.name == "postgresql":
-            url = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-            self.direct = await PgStatements.open(url)
+            _, connect_args = self.engine.dialect.create_connect_args(self.engine.url)
+            self.direct = await PgStatements.open(dict(connect_args))
 
     async def close(self) -> None:
         if self.direct is not None:
@@ -186,7 +187,9 @@ class Store:
                     .values(turn_count=S.c.turn_count + 1, last_active_at=now)
                     .returning(S.c.turn_count)
                 )
-            ).scalar_one()
+            ).scalar()
+            if seq is None:
+                raise NotFound(f"no session {session_id}")
             await conn.execute(T.insert().values(session_id=session_id, seq=seq, created_at=now, **values))
         return int(seq)
 

@@ -85,3 +85,27 @@ def test_the_longest_added_token_wins_where_two_start_at_one_place() -> None:
     assert enc.piecewise
     for text in ["a<|x|><|y|>b", "<|x|>", "<|x|><|x|><|y|><|y|>"]:
         assert enc.encode(text) == tok.encode(text, add_special_tokens=False), text
+
+
+def metaspace_tokenizer(prepend_scheme: str) -> Any:
+    """A small Metaspace BPE (SentencePiece-style, as Mistral's and Llama 2's tokenizer.json) with specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"])
+    tok.train_from_iterator(["Hello world", "hello there friend", "[INST] the quick brown fox"] * 50, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("scheme", ["first", "always"])
+def test_metaspace_tokenizers_encode_exactly(scheme: str) -> None:
+    """"▁" prepended to the input's first piece only cannot be encoded piece by piece ("<s>Hello" would get
+    "▁Hello"): such a tokenizer encodes whole texts; one that prepends to every piece stays piece-wise."""
+    tok = metaspace_tokenizer(scheme)
+    enc = CachedEncoder(tok)
+    assert enc.piecewise is (scheme == "always")
+    for text in ["<s>Hello", "<s>[INST] Hello there[/INST] world</s>", "Hello<s>", "[INST]the fox[/INST]"]:
+        assert enc.encode(text) == tok.encode(text, add_special_tokens=False), text

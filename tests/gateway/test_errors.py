@@ -117,3 +117,19 @@ def test_admin_key_errors(gateway: LiveGateway) -> None:
     envelope(gateway.admin.post("/v1/groups", json={"task": 1, "n_samples": 0}), 400)
     envelope(gateway.admin.post("/v1/groups", json={"n_samples": 2}), 400)
     envelope(gateway.admin.post("/v1/sessions/x/reward", content=b"nope"), 400)
+
+
+def test_an_unreachable_or_locked_store_is_503_with_retry_after() -> None:
+    """Store failures from any driver (SQLAlchemy's, sqlite3's, asyncpg's) are the same retryable answer."""
+    import sqlite3
+
+    import asyncpg
+    import orjson
+
+    from gateway.routes.common import error_response
+
+    for exc in (sqlite3.OperationalError("database is locked"), asyncpg.CannotConnectNowError("starting up"),
+                asyncpg.TooManyConnectionsError("too many")):
+        r = error_response(exc)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert orjson.loads(r.body)["error"]["code"] == "store_unavailable"

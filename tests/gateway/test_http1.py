@@ -35,7 +35,15 @@ class Server:
     closed_by_peer: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
 
+    writers: list[asyncio.StreamWriter] = field(default_factory=list)
+
+    def drop(self) -> None:
+        """Close every connection now."""
+        for w in self.writers:
+            w.close()
+
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
         self.connections += 1
         conn, n = self.connections, 0
         try:
@@ -162,3 +170,18 @@ async def test_refused_connection_is_an_os_error() -> None:
         await client.post("/", b"a")
     with pytest.raises(ValueError):
         Http1Client("ftp://example.com")
+
+
+async def test_a_reused_connection_that_dies_late_is_not_retried(serve: Serve) -> None:
+    # The second request is held past the stale window, then its connection is closed without a byte: the
+    # server had the request (not an idle close), so it is the caller's error and is not sent again.
+    server = await serve(lambda c, n, body: ok(b"x") if n == 1 else b"")
+    client = Http1Client(f"http://127.0.0.1:{server.port}")
+    assert await client.post("/", b"a") == (200, b"x")
+    task = asyncio.ensure_future(client.post("/", b"b"))
+    await asyncio.sleep(0.5)
+    assert not task.done()
+    server.drop()
+    with pytest.raises(ConnectionError):
+        await task
+    assert server.requests == [b"a", b"b"] and server.connections == 1

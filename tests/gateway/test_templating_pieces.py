@@ -245,3 +245,21 @@ def test_common_prefix_len_matches_a_character_loop() -> None:
         while n < min(len(a), len(b)) and a[n] == b[n]:
             n += 1
         assert _common_prefix_len(a, b) == n, (a, b)
+
+
+# The generation prompt opens a think block whose first character is also the end marker's.
+THINK_PROMPT = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
+
+def test_an_empty_reply_extends_when_the_generation_prompt_shares_the_markers_first_character() -> None:
+    ct = ChatTemplate(chatml_tokenizer(), chat_template=THINK_PROMPT)
+    prev = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]
+    parent_prompt = ct.render_text(prev[:1], None, add_generation_prompt=True)
+    new = [{"role": "user", "content": "Again"}]
+    got = ct.extension(prev, [ct.end_of_turn_id], new, None, parent_prompt=parent_prompt)
+    assert got is not None
+    assert got[0] == ct.encode("\n<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert got == ct.extension(prev, [ct.end_of_turn_id], new, None)  # as without the kept prompt text
