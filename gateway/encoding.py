@@ -108,5 +108,6 @@ def _prepends_to_first_only(backend: Any) -> bool:
             return any(walk(v) for v in node)
         return False
 
-    config = json.loads(backend.to_str())
-    return walk(config.get("pre_tokenizer")) or walk(config.get("normalizer"))
+    # Each stage's own JSON (its pickled state), not the whole tokenizer's: that carries the vocabulary.
+    stages = (backend.pre_tokenizer, backend.normalizer)
+    return any(walk(json.loads(stage.__getstate__())) for stage in stages if stage is not None)

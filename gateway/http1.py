@@ -107,11 +107,10 @@ class Http1Client:
         self.idle_timeout = idle_timeout
         self._idle: list[_Connection] = []
 
-    async def post(self, path: str, body: bytes, *, timeout: float | None = None,
-                   content_type: bytes = b"application/json") -> tuple[int, bytes]:
-        """(status, body) of one POST; `timeout` bounds the wait for the whole answer."""
-        head = (b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
-                % (self._base, path.encode(), self._host_header, content_type, len(body)))
+    async def post(self, path: str, body: bytes, *, timeout: float | None = None) -> tuple[int, bytes]:
+        """(status, body) of one POST of a JSON body; `timeout` bounds the wait for the whole answer."""
+        head = (b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                % (self._base, path.encode(), self._host_header, len(body)))
         conn = self._take()
         if conn is not None:
             loop = asyncio.get_running_loop()

@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import re
 import sqlite3
+from collections.abc import Sequence
 from typing import Any, cast
 
 import orjson
-from sqlalchemy import JSON, Boolean, Table
+from sqlalchemy import JSON, Column, Table
 from sqlalchemy.dialects import postgresql
 
 from gateway.errors import NotFound
@@ -30,6 +31,7 @@ G = cast(Table, Group.__table__)
 S = cast(Table, Session.__table__)
 T = cast(Table, Turn.__table__)
 TURN_COLUMNS = list(T.columns)
+_JSON_COLUMNS = frozenset(c.name for c in TURN_COLUMNS if isinstance(c.type, JSON))
 AuthRow = tuple[str, str, str, int, Any]
 """session id, group id, state, turn count, the group's sampling policy (parsed JSON)."""
 
@@ -41,20 +43,24 @@ def json_text(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
-def turn_params(values: dict[str, Any]) -> list[Any]:
-    """A turn's values in column order as SQLAlchemy would bind them: JSON as text, booleans as 0/1 (SQLite)
-    or bool, absent columns as their scalar default (else NULL)."""
+def turn_params(values: dict[str, Any], columns: Sequence[Column[Any]] = TURN_COLUMNS) -> list[Any]:
+    """A turn's values in the order of `columns`, as SQLAlchemy would bind them: JSON as text, absent columns as
+    their scalar default (else NULL). Booleans stay bool (sqlite3 stores them as 0/1, as SQLAlchemy did)."""
     out: list[Any] = []
-    for col in TURN_COLUMNS:
+    for col in columns:
         if col.name in values:
             v = values[col.name]
-            if isinstance(col.type, JSON):
+            if col.name in _JSON_COLUMNS:
                 v = json_text(v)
         else:
             default = col.default
             v = default.arg if default is not None and default.is_scalar else None  # type: ignore[attr-defined]
         out.append(v)
     return out
+
+
+def _auth_row(raw: Any) -> AuthRow | None:
+    return None if raw is None else (raw[0], raw[1], raw[2], raw[3], orjson.loads(raw[4] or "null"))
 
 
 class _TransactionFailed(Exception):
@@ -68,7 +74,6 @@ class SqliteStatements:
     _BUMP = f"UPDATE {S.name} SET turn_count = turn_count + 1, last_active_at = ? WHERE id = ? RETURNING turn_count"
     _INSERT = (f"INSERT INTO {T.name} ({', '.join(c.name for c in TURN_COLUMNS)}) "
                f"VALUES ({', '.join('?' for _ in TURN_COLUMNS)})")
-    _BOOLEANS = tuple(i for i, c in enumerate(TURN_COLUMNS) if isinstance(c.type, Boolean))
     _SEQ = next(i for i, c in enumerate(TURN_COLUMNS) if c.name == "seq")
 
     def __init__(self, db: sqlite3.Connection, write_lock: asyncio.Lock) -> None:
@@ -78,16 +83,10 @@ class SqliteStatements:
         self._writer: asyncio.Task[None] | None = None
 
     async def session_auth(self, column: str, value: str) -> AuthRow | None:
-        raw = self.db.execute(f"{_AUTH}{column} = ?", (value,)).fetchone()
-        if raw is None:
-            return None
-        return raw[0], raw[1], raw[2], raw[3], orjson.loads(raw[4] or "null")
+        return _auth_row(self.db.execute(f"{_AUTH}{column} = ?", (value,)).fetchone())
 
     async def insert_turn(self, session_id: str, now: float, values: dict[str, Any]) -> int:
         params = turn_params({"session_id": session_id, "seq": 0, "created_at": now, **values})
-        for i in self._BOOLEANS:
-            if params[i] is not None:
-                params[i] = int(bool(params[i]))
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._queue.append((session_id, now, params, done))
         if self._writer is None:  # it starts after this turn of the loop: what else is stored in it joins
@@ -190,14 +189,10 @@ class PgStatements:
                                              max_inactive_connection_lifetime=0, **connect_args))
 
     async def session_auth(self, column: str, value: str) -> AuthRow | None:
-        raw = await self.pool.fetchrow(f"{_AUTH}{column} = $1", value)
-        if raw is None:
-            return None
-        return raw[0], raw[1], raw[2], raw[3], orjson.loads(raw[4] or "null")
+        return _auth_row(await self.pool.fetchrow(f"{_AUTH}{column} = $1", value))
 
     async def insert_turn(self, session_id: str, now: float, values: dict[str, Any]) -> int:
-        params = turn_params({"session_id": session_id, "seq": 0, "created_at": now, **values})
-        params = [p for p, c in zip(params, TURN_COLUMNS, strict=True) if c.name not in ("session_id", "seq", "created_at")]
+        params = turn_params(values, self._INSERTED)
         seq = await self.pool.fetchval(self._INSERT, now, session_id, *params)
         if seq is None:
             raise NotFound(f"no session {session_id}")
