@@ -125,7 +125,7 @@ class Load:
                                          headers={"Authorization": f"Bearer {key}"}) as r:
                         data = await r.json(content_type=None)
                         ok = r.status == 200
-                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                except (TimeoutError, aiohttp.ClientError, ValueError) as e:
                     ok, data = False, {"error": repr(e)}
                 t1 = time.perf_counter()
                 if not ok:

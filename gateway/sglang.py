@@ -24,7 +24,6 @@ only the new tokens of each chunk. The mode is read per chunk and per list from
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -135,7 +134,7 @@ class SGLangClient:
         timeout = self._read_timeout_s if read_timeout is None else read_timeout
         try:
             status, data = await self._http1.post("/generate", body, timeout=timeout)
-        except (OSError, asyncio.TimeoutError, BadResponse) as e:  # refused, reset, timed out, cut short, not HTTP
+        except (TimeoutError, OSError, BadResponse) as e:  # refused, reset, timed out, cut short, not HTTP
             raise BackendUnavailable(f"{url}: {e!r}") from e
         if status >= 400:
             raise _status_error(status, data, url)

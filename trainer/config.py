@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tomllib
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-
-import tomllib
 
 
 @dataclass

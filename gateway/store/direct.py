@@ -201,7 +201,7 @@ class PgStatements:
     async def close(self) -> None:
         try:
             await asyncio.wait_for(self.pool.close(), 10)
-        except asyncio.TimeoutError:  # a connection stuck in a query: shut it without waiting
+        except TimeoutError:  # a connection stuck in a query: shut it without waiting
             self.pool.terminate()
 
 
