@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ROLLWAY_", extra="forbid")
 
-    backends: list[str] = Field(default_factory=list)
-    """SGLang (or `rollway engine`) base URLs, e.g. http://127.0.0.1:30000."""
+    # NoDecode: ROLLWAY_BACKENDS=url1,url2 is split by the validator below, not read as JSON.
+    backends: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """SGLang (or `rollway engine`) base URLs, e.g. http://127.0.0.1:30000 (env: comma-separated)."""
     tokenizer: str = ""
     """HF model/tokenizer folder whose chat template and tokenizer the gateway uses."""
+    model: str = ""
+    """`rollway serve` with no backends: the HF model folder its embedded CPU engine serves (empty: the tiny
+    model in data_dir, created on first use)."""
     db: str = ""
     """SQLAlchemy URL: sqlite:///path or postgresql://...; empty = SQLite file in data_dir."""
     data_dir: Path = Path("rollway-data")

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -52,11 +53,26 @@ def _rollout(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     if any(a in ("-h", "--help") for a in args.args):
-        print(TRAIN_USAGE + "\n\noptions:\n" + _config_help())
+        print(TRAIN_USAGE + "\n\noptions:\n" + TRAIN_LAUNCH_HELP + "\n" + _config_help())
         return 0
+    from rollway.keys import ENV, find_admin_key
     from trainer.launch import main as train_main
 
-    return train_main(args.args)
+    argv, data_dir = _take_option(list(args.args), "--data-dir", "rollway-data")
+    key = find_admin_key(data_dir)
+    if key and not os.environ.get(ENV):  # the workers take it from the environment, never from a file
+        os.environ[ENV] = key
+    return train_main(argv)
+
+
+def _take_option(argv: list[str], flag: str, default: str) -> tuple[list[str], str]:
+    """Remove `flag VALUE` / `flag=VALUE` from argv; returns (the rest, the value or default)."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[:i] + argv[i + 2:], argv[i + 1]
+        if a.startswith(flag + "="):
+            return argv[:i] + argv[i + 1:], a.split("=", 1)[1]
+    return argv, default
 
 
 def _config_help() -> str:
@@ -82,7 +98,13 @@ def _config_help() -> str:
 TRAIN_USAGE = """usage: rollway train --gateway URL --model DIR --out DIR [--nproc N] [--config FILE] [--OPTION VALUE ...]
 
 Lease complete groups from the gateway, train with FSDP2 under torchrun, publish weights.
-Admin key from ROLLWAY_ADMIN_KEY. Every option below can be given as --name value and overrides the file."""
+Every trainer option below can be set, from weakest to strongest: in the --config file, as an environment
+variable ROLLWAY_<OPTION> (e.g. ROLLWAY_LR=1e-5), or as --option value on the command line.
+Admin key: ROLLWAY_ADMIN_KEY, else DATA_DIR/admin_key (the file `rollway serve` writes)."""
+
+TRAIN_LAUNCH_HELP = """  --nproc N                      (default 1) trainer processes on this machine (torchrun --nproc-per-node)
+  --config FILE                  (default none) TOML or JSON file of trainer options (a TOML file may use [train])
+  --data-dir DIR                 (default rollway-data) where to find admin_key when ROLLWAY_ADMIN_KEY is unset"""
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -91,54 +113,95 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, and every option's default in its help line (none for required options)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" in text or action.required or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action, argparse._HelpAction) or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def _setting(parser: argparse.ArgumentParser, flag: str, field: str, **kw: Any) -> None:
+    """An option of `rollway serve` that maps to gateway.settings.Settings.<field>: absent unless given, so
+    the settings object sees the environment; its help shows the Settings default."""
+    from gateway.settings import Settings
+
+    default = Settings.model_fields[field].get_default(call_default_factory=True)
+    shown = ",".join(default) if isinstance(default, list) else default
+    kw["help"] = f"{kw.get('help', '')} (default: {shown if shown not in ('', []) else 'none'}; env ROLLWAY_{field.upper()})"
+    parser.add_argument(flag, dest=field, default=argparse.SUPPRESS, **kw)
+
+
+def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The Settings fields given on the command line (the rest come from ROLLWAY_* or the defaults)."""
+    from gateway.settings import Settings
+
+    return {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rollway",
         description="Turn any OpenAI-SDK agent into RL training data, and train on it.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
         epilog="Start with `rollway demo` (the whole loop on CPU), or `rollway serve` and point an agent at it.",
     )
-    p.add_argument("--log-level", default=os.environ.get("ROLLWAY_LOG_LEVEL", "INFO"), help="logging level")
+    p.add_argument("--log-level", default=os.environ.get("ROLLWAY_LOG_LEVEL", "INFO"),
+                   help="logging level (env ROLLWAY_LOG_LEVEL)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the gateway (with a CPU engine and the tiny model when no --backend)",
+                       formatter_class=HelpFormatter,
                        description="Run the OpenAI-compatible recording gateway. With no --backend it also starts "
-                       "the CPU engine with the tiny model (created on first use).")
-    s.add_argument("--backend", action="append", default=[], metavar="URL",
-                   help="SGLang server base URL (repeatable); none = embedded CPU engine")
-    s.add_argument("--tokenizer", default="", metavar="DIR", help="HF model folder with the chat template "
-                   "(required with --backend)")
-    s.add_argument("--db", default="", metavar="URL", help="sqlite:///FILE or postgresql://... "
-                   "(default: SQLite in the data dir)")
-    s.add_argument("--data-dir", default="rollway-data", help="embedded database, admin key, tiny model")
-    s.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs ROLLWAY_ADMIN_KEY)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--public-url", default="", help="base URL handed to agents (default: from each request)")
-    s.add_argument("--served-model-name", default="", help="model name in replies (default: model folder name)")
-    s.add_argument("--tool-parser", default="hermes", help="tool-call format: hermes | llama3_json")
-    s.add_argument("--context-length", type=int, default=0, help="fallback when backend and config don't say")
+                       "the CPU engine with the tiny model (created on first use): an untrained model whose "
+                       "replies are noise, to try the API; serve a trained one with --model DIR.",
+                       epilog="Every option can also be set as an environment variable ROLLWAY_<OPTION> "
+                       "(ROLLWAY_BACKENDS=url1,url2, ROLLWAY_TOKENIZER, ROLLWAY_DB, ROLLWAY_PORT, ...); "
+                       "a flag on the command line wins over the environment, which wins over the default.")
+    # No argparse defaults here: an option not given must not hide its ROLLWAY_* variable (the defaults
+    # live in gateway.settings.Settings and are shown in the help from there).
+    _setting(s, "--backend", "backends", action="append", metavar="URL",
+             help="SGLang server base URL (repeatable); none = embedded CPU engine")
+    _setting(s, "--model", "model", metavar="DIR",
+             help="with no --backend: the HF model folder the embedded CPU engine serves (e.g. a folder "
+             "`rollway train` published under OUT/weights/); default: the tiny model in the data dir")
+    _setting(s, "--tokenizer", "tokenizer", metavar="DIR",
+             help="HF model folder with the chat template (required with --backend)")
+    _setting(s, "--db", "db", metavar="URL", help="sqlite:///FILE or postgresql://... (empty: SQLite in the data dir)")
+    _setting(s, "--data-dir", "data_dir", help="embedded database, admin key, tiny model")
+    _setting(s, "--host", "host", help="bind address (non-loopback needs ROLLWAY_ADMIN_KEY)")
+    _setting(s, "--port", "port", type=int)
+    _setting(s, "--public-url", "public_url", help="base URL handed to agents (empty: from each request)")
+    _setting(s, "--served-model-name", "served_model_name",
+             help="model name in replies (empty: the model folder's name)")
+    _setting(s, "--tool-parser", "tool_parser", help="tool-call format: hermes | llama3_json")
+    _setting(s, "--context-length", "context_length", type=int,
+             help="fallback when backend and config don't say (0: unknown)")
     s.set_defaults(fn=_serve)
 
-    e = sub.add_parser("engine", help="the CPU stand-in for SGLang alone",
+    e = sub.add_parser("engine", formatter_class=HelpFormatter, help="the CPU stand-in for SGLang alone",
                        description="Serve SGLang's HTTP contract on CPU with transformers (continuous batching).")
     e.add_argument("--model", required=True, metavar="DIR", help="HF model folder")
-    e.add_argument("--host", default="127.0.0.1")
-    e.add_argument("--port", type=int, default=30000)
-    e.add_argument("--served-model-name", default=None)
-    e.add_argument("--max-batch-size", type=int, default=32)
+    e.add_argument("--host", default="127.0.0.1", help="bind address")
+    e.add_argument("--port", type=int, default=30000, help="port")
+    e.add_argument("--served-model-name", default=None, help="model name in /get_model_info (default: folder name)")
+    e.add_argument("--max-batch-size", type=int, default=32, help="sequences decoded together")
     e.add_argument("--incremental-streaming-output", action="store_true",
                    help="stream deltas instead of cumulative chunks (like SGLang's flag)")
     e.set_defaults(fn=_engine)
 
-    m = sub.add_parser("init-model", help="create the tiny local model and tokenizer",
+    m = sub.add_parser("init-model", formatter_class=HelpFormatter, help="create the tiny local model and tokenizer",
                        description="Write a tiny Qwen2-style HF model with a locally trained tokenizer and a "
                        "tool-capable ChatML template. Deterministic for a seed; no download.")
-    m.add_argument("--out", required=True, metavar="DIR")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--size", default="tiny", choices=["tiny", "100m"])
+    m.add_argument("--out", required=True, metavar="DIR", help="folder to write the model into")
+    m.add_argument("--seed", type=int, default=0, help="weights and tokenizer are deterministic for a seed")
+    m.add_argument("--size", default="tiny", choices=["tiny", "100m"], help="tiny (the demo's) or ~100M parameters")
     m.set_defaults(fn=_init_model)
 
-    r = sub.add_parser("rollout", help="run an agent over a task file, n samples per task",
+    r = sub.add_parser("rollout", formatter_class=HelpFormatter, help="run an agent over a task file, n samples per task",
                        description="Replicate each task into a group of sessions, run the agent on each, post "
                        "rewards. Admin key from ROLLWAY_ADMIN_KEY.")
     from rollway.rollout import add_arguments as rollout_args
@@ -150,20 +213,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("args", nargs=argparse.REMAINDER, help="trainer options (rollway train --help)")
     t.set_defaults(fn=_train)
 
-    d = sub.add_parser("demo", help="the whole loop on this CPU machine",
+    from rollway.demo import EVAL_TASKS, SFT_MAX_STEPS  # torch-free, like the rollout import above
+
+    d = sub.add_parser("demo", formatter_class=HelpFormatter, help="the whole loop on this CPU machine",
                        description="Create the tiny model, warm it up with SFT, serve it, and train it with RL on "
                        "two-digit addition; prints a summary table, a plot and a JSON line.")
     d.add_argument("--out", default="rollway-demo", help="folder for the model, database, logs and plot")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="seed of the model, the SFT data order and the trainer")
     d.add_argument("--minutes", type=float, default=8.0, help="time budget for the RL phase")
     d.add_argument("--steps", type=int, default=0, help="stop after this many trainer steps (0 = time budget)")
     d.add_argument("--nproc", type=int, default=1, help="trainer processes (CPU ranks)")
+    d.add_argument("--sft-steps", type=int, default=SFT_MAX_STEPS,
+                   help="at most this many SFT warm-up steps (it stops sooner on its target match)")
+    d.add_argument("--eval-tasks", type=int, default=EVAL_TASKS, help="held-out tasks evaluated before and after RL")
     d.set_defaults(fn=_demo)
 
-    b = sub.add_parser("db", help="database migrations", description="Alembic migrations of the store.")
+    b = sub.add_parser("db", formatter_class=HelpFormatter, help="database migrations", description="Alembic migrations of the store.")
     b.add_argument("action", choices=["upgrade", "current"])
-    b.add_argument("--db", default="", metavar="URL")
-    b.add_argument("--data-dir", default="rollway-data")
+    b.add_argument("--db", default=os.environ.get("ROLLWAY_DB", ""), metavar="URL",
+                   help="sqlite:///FILE or postgresql://... (env ROLLWAY_DB; empty: SQLite in the data dir)")
+    b.add_argument("--data-dir", default=os.environ.get("ROLLWAY_DATA_DIR", "rollway-data"),
+                   help="data folder of the embedded SQLite file (env ROLLWAY_DATA_DIR)")
     b.set_defaults(fn=_db)
     return p
 

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import os
-import secrets
 import shutil
 import signal
 import statistics
@@ -25,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rollway.embedded import engine_process, free_port, stop, wait_healthy
+from rollway.embedded import admin_key, engine_process, free_port, stop, wait_healthy
 from rollway.paths import agent_file
 from rollway.rollout import Runner, append_line, load_agent, load_tasks, run_eval
 
@@ -49,7 +48,7 @@ N_SAMPLES = 8
 # the T=1 reward 0.10 -> 0.21 in 400 steps; 3e-4 without the std division and 1e-3 with it drove it down.
 RL_LR = 1e-4
 ETA = 2  # measured (benchmarks/async.py, 5 steps): 1.37x faster to N steps than eta = 0; the trainer waits less
-EVAL_TASKS = 200
+EVAL_TASKS = 200  # held-out tasks evaluated before and after RL
 TOTAL_SECONDS = 570.0  # the whole demo, everything included, stays under 10 minutes
 END_RESERVE_S = 45.0  # stopping the trainer, the last held-out eval and the summary
 
@@ -58,7 +57,7 @@ def _log(msg: str) -> None:
     tqdm.write(f"[demo {time.strftime('%H:%M:%S')}] {msg}")
 
 
-def _sft(out: Path, model: Path, tasks: list[dict[str, Any]], seed: int) -> Path:
+def _sft(out: Path, model: Path, tasks: list[dict[str, Any]], seed: int, max_steps: int) -> Path:
     data = out / "sft.jsonl"
     with data.open("w") as f:
         for t in tasks[:SFT_EXAMPLES]:
@@ -68,9 +67,9 @@ def _sft(out: Path, model: Path, tasks: list[dict[str, Any]], seed: int) -> Path
     # size). Measured: 0.14 s a step with 2 threads, 0.28 s with 1.
     threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(max(1, min(4, os.cpu_count() or 1)))
-    epochs = -(-SFT_MAX_STEPS * SFT_BATCH // min(SFT_EXAMPLES, len(tasks)))
+    epochs = -(-max_steps * SFT_BATCH // min(SFT_EXAMPLES, len(tasks)))
     try:
-        rc = _sft_run(out, model, data, seed, epochs)
+        rc = _sft_run(out, model, data, seed, epochs, max_steps)
     finally:
         if threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
@@ -84,11 +83,11 @@ def _sft(out: Path, model: Path, tasks: list[dict[str, Any]], seed: int) -> Path
     return out / "sft" / "weights" / "sft-final"
 
 
-def _sft_run(out: Path, model: Path, data: Path, seed: int, epochs: int) -> int:
+def _sft_run(out: Path, model: Path, data: Path, seed: int, epochs: int, max_steps: int) -> int:
     from trainer.launch import main as train_main
 
     return train_main(["--mode", "sft", "--model", str(model), "--out", str(out / "sft"), "--sft-data", str(data),
-                       "--steps", str(SFT_MAX_STEPS), "--lr", str(SFT_LR), "--seed", str(seed), "--nproc", "1",
+                       "--steps", str(max_steps), "--lr", str(SFT_LR), "--seed", str(seed), "--nproc", "1",
                        "--sft-batch-sequences", str(SFT_BATCH), "--sft-epochs", str(epochs),
                        "--sft-stop-at-match", str(SFT_STOP_MATCH), "--sft-eval-every", str(SFT_EVAL_EVERY),
                        "--checkpoint-every", str(10 ** 6)])  # saved once, at the last step
@@ -138,11 +137,12 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
             for t in in_flight:
                 t.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
-        end_eval = await run_eval(runner, eval_tasks, 1, await runner.weight_version())
+        end_version = await runner.weight_version()
+        end_eval = await run_eval(runner, eval_tasks, 1, end_version)
         append_line(str(out / "eval.jsonl"), json.dumps(end_eval))
         _log(f"held-out greedy accuracy after RL: {end_eval['eval_mean_reward']:.3f}")
         return {"start": start_eval["eval_mean_reward"], "end": end_eval["eval_mean_reward"],
-                "trainer_rc": trainer.returncode}
+                "trainer_rc": trainer.returncode, "weight_version": end_version}
     finally:
         await runner.close()
 
@@ -161,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tasks = load_tasks(agent_file("tasks/arithmetic.jsonl"))
-    eval_tasks = load_tasks(agent_file("tasks/arithmetic_eval.jsonl"))[:EVAL_TASKS]
+    eval_tasks = load_tasks(agent_file("tasks/arithmetic_eval.jsonl"))[:args.eval_tasks]
     held = {t["prompt"] for t in load_tasks(agent_file("tasks/arithmetic_eval.jsonl"))}
     assert not held & {t["prompt"] for t in tasks}, "held-out tasks must be disjoint from training tasks"
 
@@ -170,10 +170,12 @@ def main(args: argparse.Namespace) -> int:
     _log("creating the tiny model")
     model0 = create_tiny_model(out / "model-init", seed=args.seed)
     _log(f"SFT warm-up on {min(SFT_EXAMPLES, len(tasks))} training tasks, until the expected exact match at T=1 "
-         f"reaches {SFT_STOP_MATCH} (at most {SFT_MAX_STEPS} steps)")
-    model = _sft(out, model0, tasks, args.seed)
+         f"reaches {SFT_STOP_MATCH} (at most {args.sft_steps} steps)")
+    model = _sft(out, model0, tasks, args.seed, args.sft_steps)
 
-    key = "rw-admin-" + secrets.token_urlsafe(24)
+    # The demo's store outlives it (look at it with `rollway serve --db ...`): its key is kept beside it, 0600.
+    key, _ = admin_key(out)
+    _log("admin key: ROLLWAY_ADMIN_KEY" if os.environ.get("ROLLWAY_ADMIN_KEY") else f"admin key in {out / 'admin_key'}")
     env = {**os.environ, "ROLLWAY_ADMIN_KEY": key}
     port = free_port()
     gateway = f"http://127.0.0.1:{port}"
@@ -214,6 +216,6 @@ def main(args: argparse.Namespace) -> int:
     print(f"\nheld-out greedy accuracy: {res['start']:.3f} -> {res['end']:.3f};  plot: {plot}")
     summary = {"first_reward": round(first, 4), "last_reward": round(last, 4),
                "heldout_accuracy_start": round(res["start"], 4), "heldout_accuracy_end": round(res["end"], 4),
-               "steps": len(rows), "seconds": round(time.time() - t0, 1), "seed": args.seed}
+               "steps": len(rows), "weight_version": res["weight_version"], "seconds": round(time.time() - t0, 1), "seed": args.seed}
     print(json.dumps(summary))
     return 0

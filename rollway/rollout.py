@@ -26,6 +26,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from rollway.keys import find_admin_key, missing_key_message
+
 log = logging.getLogger("rollway.rollout")
 
 
@@ -34,14 +36,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", required=True, metavar="FILE", help="JSONL (one task object per line) or JSON list")
     p.add_argument("--n-samples", type=int, default=4, help="sessions per task (the GRPO group size)")
     p.add_argument("--concurrency", type=int, default=16, help="sessions running at once")
-    p.add_argument("--gateway", default=os.environ.get("ROLLWAY_GATEWAY", "http://127.0.0.1:8000"))
+    p.add_argument("--gateway", default=os.environ.get("ROLLWAY_GATEWAY", "http://127.0.0.1:8000"),
+                   help="gateway base URL (env ROLLWAY_GATEWAY)")
+    p.add_argument("--data-dir", default=os.environ.get("ROLLWAY_DATA_DIR", "rollway-data"),
+                   help="where to find admin_key when ROLLWAY_ADMIN_KEY is unset (env ROLLWAY_DATA_DIR)")
     p.add_argument("--epochs", type=int, default=1, help="passes over the task file (0 = until stopped)")
     p.add_argument("--shuffle", action="store_true", help="shuffle tasks each epoch")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the task shuffle")
     p.add_argument("--shard", default="0/1", metavar="I/N",
                    help="take every N-th task starting at I (several runners share one task file)")
     p.add_argument("--eval-tasks", default=None, metavar="FILE", help="held-out tasks run as eval groups")
-    p.add_argument("--eval-n-samples", type=int, default=1)
+    p.add_argument("--eval-n-samples", type=int, default=1, help="sessions per eval task")
     p.add_argument("--eval-every", type=int, default=0, metavar="V",
                    help="run the eval tasks whenever the weight version reaches a multiple of V (0 = never)")
     p.add_argument("--eval-log", default="rollway-eval.jsonl", help="JSONL of eval results per version")
@@ -272,9 +277,9 @@ async def rollout(args: argparse.Namespace, admin_key: str) -> Stats:
 
 
 def main(args: argparse.Namespace) -> int:
-    key = os.environ.get("ROLLWAY_ADMIN_KEY") or _stored_key()
+    key = find_admin_key(args.data_dir)
     if not key:
-        raise SystemExit("set ROLLWAY_ADMIN_KEY to the gateway's admin key")
+        raise SystemExit(missing_key_message(args.data_dir))
     stats = asyncio.run(rollout(args, key))
     print(json.dumps({"groups": stats.groups_done, "sessions": stats.sessions_done,
                       "sessions_failed": stats.sessions_failed, "mean_reward": round(stats.mean_reward, 4)}))
@@ -285,7 +290,3 @@ def append_line(path: str, line: str) -> None:
     with open(path, "a") as f:
         f.write(line + "\n")
 
-
-def _stored_key() -> str | None:
-    path = Path("rollway-data") / "admin_key"
-    return path.read_text().strip() if path.is_file() else None

@@ -28,22 +28,22 @@ def serve(args: argparse.Namespace) -> int:
 
     from gateway.app import create_app
     from gateway.settings import Settings
+    from rollway.cli import settings_from_args
 
-    data_dir = Path(args.data_dir)
-    settings = Settings(
-        backends=args.backend, tokenizer=args.tokenizer, db=args.db, data_dir=data_dir, host=args.host,
-        port=args.port, public_url=args.public_url, served_model_name=args.served_model_name,
-        tool_parser=args.tool_parser, context_length=args.context_length,
-    )
+    # One precedence: a flag given on the command line > ROLLWAY_* environment > Settings' default.
+    settings = Settings(**settings_from_args(args))
+    data_dir = settings.data_dir
     if not settings.is_loopback and not settings.admin_key:
-        raise SystemExit(f"refusing to bind {args.host} without ROLLWAY_ADMIN_KEY set explicitly")
+        raise SystemExit(f"refusing to bind {settings.host} without ROLLWAY_ADMIN_KEY set explicitly")
+    if settings.model and settings.backends:
+        raise SystemExit("--model is for the embedded CPU engine; with --backend, give --tokenizer DIR instead")
     key, generated = admin_key(data_dir)
     if generated:
         print(f"admin key (stored in {data_dir / 'admin_key'}; shown once): {key}", file=sys.stderr)
     prepare_database(settings.db_url)
     with contextlib.ExitStack() as stack:
         if not settings.backends:
-            model = ensure_tiny_model(data_dir)
+            model = Path(settings.model) if settings.model else ensure_tiny_model(data_dir)
             url = stack.enter_context(engine_process(model, log_path=data_dir / "engine.log"))
             settings = settings.model_copy(update={"backends": [url], "tokenizer": settings.tokenizer or str(model)})
             print(f"embedded CPU engine at {url} serving {model}", file=sys.stderr)

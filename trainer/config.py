@@ -1,6 +1,7 @@
 """The trainer's one config object: a dataclass with a docstring under every field (cleanrl style).
 
-Loaded from a TOML or JSON file, then `--key value` / `--key=value` overrides (dashes or underscores).
+Loaded from a TOML or JSON file, then `ROLLWAY_<FIELD>` environment variables (in `rollway train`), then
+`--key value` / `--key=value` overrides (dashes or underscores): the later one wins.
 Every value is checked against its annotation at load: an unknown key, a wrong type or a value outside a
 `Literal` fails before any process is started, never deep inside training.
 """
@@ -13,6 +14,7 @@ import os
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -181,11 +183,17 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise ValueError(f"{name}: expected an int, got {value!r}")
-        return int(value)
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{name}: expected an int, got {value!r}") from None
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise ValueError(f"{name}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{name}: expected a number, got {value!r}") from None
     if hint is str:
         if not isinstance(value, str):
             raise ValueError(f"{name}: expected a string, got {value!r}")
@@ -193,10 +201,17 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     raise TypeError(f"{name}: unsupported annotation {hint!r}")
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _apply(values: dict[str, Any], source: str, into: dict[str, Any]) -> None:
     for key, value in values.items():
         name = key.replace("-", "_")
         if name not in _FIELDS:
+            if source == "command line":  # the user typed a flag: name it as one, and the flags that exist
+                raise ValueError(f"unknown option {_flag(name)} (rollway train --help lists them; known: "
+                                 f"{', '.join(_flag(n) for n in sorted(_FIELDS))})")
             raise ValueError(f"{source}: unknown option {key!r} (known: {', '.join(sorted(_FIELDS))})")
         try:
             into[name] = _coerce(name, value, _HINTS[name])
@@ -225,8 +240,21 @@ def parse_overrides(argv: list[str]) -> dict[str, str]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """File (`.toml` or `.json`; a TOML file may put the keys under `[train]`) then overrides."""
+ENV_PREFIX = "ROLLWAY_"
+
+
+def env_values(environ: Mapping[str, str]) -> dict[str, str]:
+    """Every field given as `ROLLWAY_<FIELD>` (upper case), e.g. ROLLWAY_GATEWAY, ROLLWAY_LR."""
+    return {name: environ[ENV_PREFIX + name.upper()] for name in _FIELDS if ENV_PREFIX + name.upper() in environ}
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> TrainConfig:
+    """One precedence: command-line overrides > `ROLLWAY_*` environment (when `environ` is given) > the file
+    (`.toml` or `.json`; a TOML file may put the keys under `[train]`) > the defaults.
+
+    `rollway train` passes its environment; the workers don't: they read the `out/config.json` that
+    `rollway train` wrote, where the environment has already been applied in its place."""
     values: dict[str, Any] = {}
     if path:
         p = Path(path)
@@ -235,5 +263,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if set(data) == {"train"} and isinstance(data["train"], dict):
             data = data["train"]
         _apply(data, str(p), values)
+    if environ is not None:
+        _apply(env_values(environ), "environment", values)
     _apply(overrides or {}, "command line", values)
     return TrainConfig(**values).validate()

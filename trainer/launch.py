@@ -44,7 +44,7 @@ def prepare(argv: list[str]) -> tuple[TrainConfig, int, list[str], dict[str, str
                 break
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    cfg = load_config(config_file, parse_overrides(args))
+    cfg = load_config(config_file, parse_overrides(args), os.environ)
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg.out = str(out)

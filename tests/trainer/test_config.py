@@ -21,9 +21,9 @@ def test_file_then_overrides(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"learning_rate": "1"}, "unknown option 'learning_rate'"),
+        ({"learning_rate": "1"}, "unknown option --learning-rate"),
         ({"loss_agg": "mean"}, "not one of"),
-        ({"groups_per_step": "many"}, "invalid literal"),
+        ({"groups_per_step": "many"}, "groups_per_step: expected an int, got 'many'"),
         ({"dynamic_filter": "maybe"}, "expected a bool"),
         ({"groups_per_step": "0"}, "groups_per_step must be >= 1"),
     ],
