@@ -1,8 +1,12 @@
 """OpenAI wire models the gateway accepts, in the order of the OpenAI docs.
 
-Requests are validated with pydantic (a wrong type is a 400, never a 422); unknown fields are accepted,
-ignored and logged once per field name (`note_unknown_fields`). Replies are built as plain dicts in the
-route modules: they are only ever serialised, and dict building is the cheapest path on the hot route.
+Requests are validated with pydantic (a wrong type is a 400, never a 422) in strict mode, as OpenAI's API
+does: `"max_tokens": true` or `"stream": "yes"` is a 400, not 1 and True; numbers must be finite (`"NaN"`,
+`"Infinity"` and overflowing literals are refused: a NaN reward once left a group open forever, an infinite
+one fed infinite returns to the trainer). Unknown fields are accepted, ignored and logged once per field
+name, for at most `MAX_LOGGED_UNKNOWN` names per process (`note_unknown_fields`). Replies are built as plain
+dicts in the route modules: they are only ever serialised, and dict building is the cheapest path on the hot
+route.
 """
 
 from __future__ import annotations
@@ -14,20 +18,30 @@ from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger("rollway.gateway")
 _seen_unknown: set[str] = set()
+MAX_LOGGED_UNKNOWN = 100
+"""Distinct unknown field names logged per process: a client inventing names can't grow the log (or this set)
+without bound."""
+INT64_MAX = 2**63 - 1
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 def note_unknown_fields(model: BaseModel, where: str) -> None:
     """Log each unknown request field once per process (they are accepted and ignored)."""
     extra = model.model_extra or {}
     for name in extra:
-        key = f"{where}.{name}"
-        if key not in _seen_unknown:
+        key = f"{where}.{name[:64]}"
+        if key not in _seen_unknown and len(_seen_unknown) < MAX_LOGGED_UNKNOWN:
             _seen_unknown.add(key)
             log.info("ignoring unknown request field %s", key)
+            if len(_seen_unknown) == MAX_LOGGED_UNKNOWN:
+                log.info("%d unknown field names logged; not logging more", MAX_LOGGED_UNKNOWN)
 
 
 # --- chat completions -------------------------------------------------------------------------------
@@ -96,14 +110,14 @@ class ChatCompletionRequest(_Lenient):
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     metadata: dict[str, Any] | None = None
     n: int | None = Field(default=None, ge=1)
     parallel_tool_calls: bool | None = None
     presence_penalty: float | None = None
     response_format: ResponseFormat | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64_MAX, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -122,9 +136,9 @@ class CompletionRequest(_Lenient):
     model: str | None = None
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=2**31 - 1)
     n: int | None = Field(default=None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64_MAX, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -148,7 +162,7 @@ class ResponsesRequest(_Lenient):
     input: str | list[dict[str, Any]]
     model: str | None = None
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     metadata: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
@@ -163,18 +177,16 @@ class ResponsesRequest(_Lenient):
 # --- rollway's own REST -----------------------------------------------------------------------------
 
 
-class SamplingPolicy(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class SamplingPolicy(_Strict):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = -1
-    seed: int | None = None
+    top_k: int = Field(default=-1, ge=-1, le=2**31 - 1)
+    seed: int | None = Field(default=None, ge=0, le=INT64_MAX)
     allow_client_override: bool = False
     """When true, the client's temperature/top_p/seed win (eval groups, SFT collection)."""
 
 
-class CreateGroupRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CreateGroupRequest(_Strict):
     task: Any
     n_samples: int = Field(default=1, ge=1, le=1024)
     metadata: dict[str, Any] | None = None
@@ -183,20 +195,17 @@ class CreateGroupRequest(BaseModel):
     """Eval groups are never leased for training and sit outside the staleness budget."""
 
 
-class TurnReward(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TurnReward(_Strict):
     turn_id: str
     reward: float
 
 
-class RewardRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RewardRequest(_Strict):
     reward: float | None = None
     turn_rewards: list[TurnReward] | None = None
     finish: bool = False
     """Also finish the session, in the same transaction (one request instead of two)."""
 
 
-class AbandonRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AbandonRequest(_Strict):
     reason: str = "abandoned_by_client"

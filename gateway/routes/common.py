@@ -52,6 +52,39 @@ async def read_raw_body(request: Request) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+MAX_JSON_DEPTH = 128
+"""Nesting accepted in a request body. What is accepted is stored, and the store writes JSON with orjson,
+which refuses more than 254 levels: a body nested 300 deep once generated a reply and then failed to store
+it. 128 leaves room for the record around the body; no real tool schema or message comes near it."""
+
+
+def check_json_shape(raw: bytes, data: Any) -> None:
+    """Refuse bodies nested deeper than MAX_JSON_DEPTH and strings holding NUL characters (which PostgreSQL
+    can't store in text or JSONB, so SQLite and PostgreSQL would answer differently). Two scans of the raw
+    bytes at C speed decide whether the walk over the parsed value is needed at all: a body with fewer
+    brackets than the limit can't be that deep, and a NUL can only arrive as the escape `\u0000`."""
+    deep = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+    nul = b"\\u0000" in raw
+    if not (deep or nul):
+        return
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            if depth > MAX_JSON_DEPTH:
+                raise BadRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+            for k, v in value.items():
+                if nul and "\x00" in k:
+                    raise BadRequest("request body holds a NUL character (\\u0000), which is not accepted")
+                stack.append((v, depth + 1))
+        elif isinstance(value, list):
+            if depth > MAX_JSON_DEPTH:
+                raise BadRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+            stack.extend((v, depth + 1) for v in value)
+        elif nul and isinstance(value, str) and "\x00" in value:
+            raise BadRequest("request body holds a NUL character (\\u0000), which is not accepted")
+
+
 def parse_body(raw: bytes, model: type[M]) -> M:
     try:
         data = orjson.loads(raw) if raw else {}
@@ -59,6 +92,7 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
+    check_json_shape(raw, data)
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -1,0 +1,165 @@
+"""Hostile input found by an adversarial probe: each request that once got a 500, poisoned training data or
+was silently misread now gets a 400 in the OpenAI envelope, on SQLite and PostgreSQL, and nothing of it is
+generated or stored."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.protocol import MAX_LOGGED_UNKNOWN, ChatCompletionRequest, note_unknown_fields
+from gateway.routes.common import MAX_JSON_DEPTH
+from tests.fakes.sglang import FakeSGLang
+from tests.harness import LiveGateway
+
+OK = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def nested(depth: int, leaf: Any = 1, *, as_list: bool = False) -> Any:
+    """A value `depth` levels deep (the outermost container counts as level 1)."""
+    value = leaf
+    for _ in range(depth):
+        value = [value] if as_list else {"a": value}
+    return value
+
+
+def bad_request(r: httpx.Response, text: str = "") -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and text in err["message"], err
+
+
+@pytest.fixture
+def cred(gateway: LiveGateway) -> dict[str, Any]:
+    return gateway.group(2)["sessions"][0]  # type: ignore[no-any-return]
+
+
+def dumps(value: Any) -> bytes:
+    """JSON of any depth (orjson, like the gateway's writer, stops at 254 levels)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)
+    try:
+        return json.dumps(value).encode()
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def chat(gateway: LiveGateway, cred: dict[str, Any], body: Any) -> httpx.Response:
+    raw = body if isinstance(body, bytes) else dumps(body)
+    return httpx.post(f"{gateway.url}/v1/chat/completions", content=raw, timeout=30,
+                      headers={"Authorization": f"Bearer {cred['api_key']}", "Content-Type": "application/json"})
+
+
+def reward(gateway: LiveGateway, cred: dict[str, Any], raw: bytes) -> httpx.Response:
+    return httpx.post(f"{gateway.url}/v1/sessions/{cred['session_id']}/reward", content=raw, timeout=30,
+                      headers={"Authorization": f"Bearer {cred['api_key']}", "Content-Type": "application/json"})
+
+
+# --- 1. non-finite numbers ---
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"reward": "NaN", "finish": true}',
+    b'{"reward": "Infinity", "finish": true}',
+    b'{"reward": "-Infinity", "finish": true}',
+    b'{"reward": NaN, "finish": true}',
+    b'{"reward": 1e400, "finish": true}',
+    b'{"turn_rewards": [{"turn_id": "t", "reward": "NaN"}], "finish": true}',
+    b'{"turn_rewards": [{"turn_id": "t", "reward": "-Infinity"}]}',
+])
+def test_non_finite_reward_is_refused(gateway: LiveGateway, cred: dict[str, Any], raw: bytes) -> None:
+    bad_request(reward(gateway, cred, raw))
+    s = gateway.session(cred["session_id"])
+    assert s["reward"] is None and s["state"] != "finished"
+
+
+@pytest.mark.parametrize("field, value", [("temperature", "NaN"), ("top_p", "Infinity"),
+                                          ("presence_penalty", "-Infinity")])
+def test_non_finite_sampling_parameter_is_refused(gateway: LiveGateway, cred: dict[str, Any], fake: FakeSGLang,
+                                                  field: str, value: str) -> None:
+    before = len(fake.requests)
+    bad_request(chat(gateway, cred, {**OK, field: value}), field)
+    assert len(fake.requests) == before
+
+
+def test_non_finite_sampling_policy_is_refused(gateway: LiveGateway) -> None:
+    r = gateway.admin.post("/v1/groups", json={"task": {"q": 1}, "sampling": {"temperature": "NaN"}})
+    bad_request(r, "temperature")
+
+
+# --- 3. deep nesting: refused at parse time, before any generation ---
+
+
+@pytest.mark.parametrize("make", [
+    lambda: {**OK, "extra_field": nested(300)},
+    lambda: {**OK, "metadata": nested(300)},
+    lambda: {**OK, "extra_field": nested(1000, as_list=True)},
+    lambda: {**OK, "tools": [{"type": "function", "function": {"name": "f", "parameters": nested(300)}}]},
+])
+def test_deep_chat_body_is_refused_before_generation(gateway: LiveGateway, cred: dict[str, Any], fake: FakeSGLang,
+                                                     make: Any) -> None:
+    before = len(fake.requests)
+    bad_request(chat(gateway, cred, make()), "nested")
+    assert len(fake.requests) == before
+    assert gateway.session(cred["session_id"])["turns"] == []
+
+
+def test_deep_streamed_chat_is_refused_before_the_stream(gateway: LiveGateway, cred: dict[str, Any]) -> None:
+    bad_request(chat(gateway, cred, {**OK, "stream": True, "extra_field": nested(300)}), "nested")
+
+
+def test_deep_group_task_is_refused(gateway: LiveGateway) -> None:
+    bad_request(gateway.admin.post("/v1/groups", content=dumps({"task": nested(1000, as_list=True)})),
+                "nested")
+
+
+def test_the_deepest_accepted_body_is_stored(gateway: LiveGateway, cred: dict[str, Any]) -> None:
+    """At the limit (the body itself is level 1), the turn generates and is stored, its extras included."""
+    body = {**OK, "metadata": nested(MAX_JSON_DEPTH - 2)}
+    assert chat(gateway, cred, body).status_code == 200
+    assert len(gateway.session(cred["session_id"])["turns"]) == 1
+    r = gateway.admin.post("/v1/groups", content=orjson.dumps({"task": nested(MAX_JSON_DEPTH - 2)}))
+    assert r.status_code == 201, r.text
+
+
+# --- 4. NUL characters (PostgreSQL can't store them; both stores now answer the same) ---
+
+
+def test_nul_in_bodies_is_refused(gateway: LiveGateway, cred: dict[str, Any], fake: FakeSGLang) -> None:
+    before = len(fake.requests)
+    bad_request(chat(gateway, cred, {**OK, "messages": [{"role": "user", "content": "a\u0000b"}]}), "NUL")
+    assert len(fake.requests) == before
+    sid, key = cred["session_id"], cred["api_key"]
+    r = httpx.post(f"{gateway.url}/v1/sessions/{sid}/abandon", json={"reason": "r\u0000"},
+                   headers={"Authorization": f"Bearer {key}"})
+    bad_request(r, "NUL")
+    bad_request(reward(gateway, cred, orjson.dumps({"turn_rewards": [{"turn_id": "t\u0000", "reward": 1.0}]})), "NUL")
+    assert gateway.session(sid)["state"] not in ("abandoned", "finished")
+    # The text `\u0000` itself (an escaped backslash, then "u0000") is ordinary content.
+    assert chat(gateway, cred, {**OK, "messages": [{"role": "user", "content": "a\\u0000b"}]}).status_code == 200
+
+
+# --- 14. strict types ---
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", True), ("stream", "yes"), ("logprobs", 1),
+                                          ("max_tokens", 2.0), ("top_logprobs", "3")])
+def test_wrong_json_types_are_refused(gateway: LiveGateway, cred: dict[str, Any], fake: FakeSGLang, field: str,
+                                      value: Any) -> None:
+    before = len(fake.requests)
+    bad_request(chat(gateway, cred, {**OK, field: value}), field)
+    assert len(fake.requests) == before
+
+
+def test_unknown_field_names_are_logged_a_bounded_number_of_times(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "rollway.gateway")
+    for i in range(MAX_LOGGED_UNKNOWN + 50):
+        note_unknown_fields(ChatCompletionRequest.model_validate({**OK, f"invented_{i}": 1}), "test.chat")
+    lines = [r for r in caplog.records if "ignoring unknown request field" in r.getMessage()]
+    assert 0 < len(lines) <= MAX_LOGGED_UNKNOWN
