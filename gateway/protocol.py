@@ -22,13 +22,16 @@ MAX_LOGGED_UNKNOWN = 100
 """Distinct unknown field names logged per process: a client inventing names can't grow the log (or this set)
 without bound."""
 INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
 
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """rollway's own REST bodies: strict types, finite numbers, no unknown fields."""
+
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
@@ -110,8 +113,8 @@ class ChatCompletionRequest(_Lenient):
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     metadata: dict[str, Any] | None = None
     n: int | None = Field(default=None, ge=1)
     parallel_tool_calls: bool | None = None
@@ -136,7 +139,7 @@ class CompletionRequest(_Lenient):
     model: str | None = None
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tokens: int | None = Field(default=16, ge=1, le=2**31 - 1)
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
     n: int | None = Field(default=None, ge=1)
     seed: int | None = Field(default=None, ge=-INT64_MAX, le=INT64_MAX)
     stop: str | list[str] | None = None
@@ -162,7 +165,7 @@ class ResponsesRequest(_Lenient):
     input: str | list[dict[str, Any]]
     model: str | None = None
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     metadata: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
@@ -177,16 +180,16 @@ class ResponsesRequest(_Lenient):
 # --- rollway's own REST -----------------------------------------------------------------------------
 
 
-class SamplingPolicy(_Strict):
+class SamplingPolicy(Strict):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=-1, ge=-1, le=2**31 - 1)
+    top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
     seed: int | None = Field(default=None, ge=0, le=INT64_MAX)
     allow_client_override: bool = False
     """When true, the client's temperature/top_p/seed win (eval groups, SFT collection)."""
 
 
-class CreateGroupRequest(_Strict):
+class CreateGroupRequest(Strict):
     task: Any
     n_samples: int = Field(default=1, ge=1, le=1024)
     metadata: dict[str, Any] | None = None
@@ -195,17 +198,17 @@ class CreateGroupRequest(_Strict):
     """Eval groups are never leased for training and sit outside the staleness budget."""
 
 
-class TurnReward(_Strict):
+class TurnReward(Strict):
     turn_id: str
     reward: float
 
 
-class RewardRequest(_Strict):
+class RewardRequest(Strict):
     reward: float | None = None
     turn_rewards: list[TurnReward] | None = None
     finish: bool = False
     """Also finish the session, in the same transaction (one request instead of two)."""
 
 
-class AbandonRequest(_Strict):
+class AbandonRequest(Strict):
     reason: str = "abandoned_by_client"

@@ -7,43 +7,51 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, field_validator
 
 from gateway.auth import admin
+from gateway.protocol import INT32_MAX, Strict
 from gateway.routes.common import json_response, read_body
 from gateway.store.leases import LeaseRequest
 
 router = APIRouter()
 
 
-class LeaseBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class LeaseBody(Strict):
     max_groups: int = Field(default=8, ge=1, le=4096)
     lease_seconds: float = Field(default=600.0, gt=0, le=86400)
     wait_seconds: float = Field(default=0.0, ge=0, le=600)
-    groups_per_step: int | None = Field(default=None, ge=1)
-    max_head_offpolicyness: int | None = Field(default=None, ge=-1)
-    trainer_version: int | None = Field(default=None, ge=0)
+    groups_per_step: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_head_offpolicyness: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    trainer_version: int | None = Field(default=None, ge=0, le=INT32_MAX)
 
 
-class RenewBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RenewBody(Strict):
     lease_seconds: float = Field(default=600.0, gt=0, le=86400)
 
 
-class AckBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AckBody(Strict):
     results: dict[str, str] = Field(default_factory=dict)
 
 
-class PublishBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    version: int = Field(ge=1)
-    model_path: str = Field(min_length=1)
+class PublishBody(Strict):
+    version: int = Field(ge=1, le=INT32_MAX)
+    """Stored per token as int32: a larger one would make every later turn unstorable (and, versions only
+    rising, could not be undone), so it is refused before anything is paused."""
+    model_path: str = Field(min_length=1, max_length=4096)
     batch_id: str | None = None
     batch_ids: list[str] = Field(default_factory=list)
     """Several leases trained in one step (refills after dynamic filtering): all acked with the publish."""
     results: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("model_path")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        # Each backend resolves the path on its own machine: only an absolute path means the same folder to
+        # all of them. Checked here, before every backend is paused for a load that can only fail.
+        if not v.startswith("/"):
+            raise ValueError(f"must be an absolute path on the inference servers, got {v!r}")
+        return v
 
 
 @router.post("/v1/batches")

@@ -163,3 +163,35 @@ def test_unknown_field_names_are_logged_a_bounded_number_of_times(caplog: pytest
         note_unknown_fields(ChatCompletionRequest.model_validate({**OK, f"invented_{i}": 1}), "test.chat")
     lines = [r for r in caplog.records if "ignoring unknown request field" in r.getMessage()]
     assert 0 < len(lines) <= MAX_LOGGED_UNKNOWN
+
+
+# --- 2. weight versions and paths are checked before anything is paused ---
+
+
+@pytest.mark.parametrize("body, text", [
+    ({"version": 2**31, "model_path": "/w"}, "version"),
+    ({"version": 2**63, "model_path": "/w"}, "version"),
+    ({"version": 1.5, "model_path": "/w"}, "version"),
+    ({"version": "2", "model_path": "/w"}, "version"),
+    ({"version": 2, "model_path": "0"}, "absolute path"),
+    ({"version": 2, "model_path": "weights/v2"}, "absolute path"),
+])
+def test_bad_publish_is_refused_before_any_pause(gateway: LiveGateway, fake: FakeSGLang, body: dict[str, Any],
+                                                  text: str) -> None:
+    before = gateway.admin.get("/v1/weights").json()
+    calls = len(fake.calls)
+    bad_request(gateway.admin.post("/v1/weights", content=dumps(body)), text)
+    assert len(fake.calls) == calls  # no pause, no load, no continue sent to the backend
+    assert gateway.admin.get("/v1/weights").json() == before
+
+
+def test_largest_version_still_records_turns(tmp_path: Any, tiny_model_dir: Any, sqlite_url: str) -> None:
+    """The top of the accepted range is storable: turns generated under it are recorded with it."""
+    with FakeSGLang(vocab=range(100, 1000)) as f, LiveGateway(backends=[f.url], tokenizer=str(tiny_model_dir),
+                                                              db=sqlite_url) as gw:
+        r = gw.admin.post("/v1/weights", json={"version": 2**31 - 1, "model_path": str(tmp_path)})
+        assert r.status_code == 200, r.text
+        cred = gw.group(1)["sessions"][0]
+        assert chat(gw, cred, OK).status_code == 200
+        (turn,) = gw.session(cred["session_id"])["turns"]
+        assert set(turn["versions"]) == {2**31 - 1}
