@@ -28,7 +28,7 @@ from gateway.errors import GatewayError
 from gateway.metrics import Metrics, RequestMetrics
 from gateway.pool import Backend, BackendPool
 from gateway.routes.common import STORE_UNAVAILABLE, error_response
-from gateway.routes.dispatch import SessionRoutes
+from gateway.routes.dispatch import ErrorBoundary, SessionRoutes, nul_in_url, refuse_nul
 from gateway.sessions_cache import SessionCache
 from gateway.settings import Settings
 from gateway.sglang import BackendError
@@ -95,10 +95,14 @@ class GatewayApp(FastAPI):
 
     def __init__(self, *, routes: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._entry = RequestMetrics(SessionRoutes(functools.partial(FastAPI.__call__, self), routes))
+        fastapi_app = ErrorBoundary(functools.partial(FastAPI.__call__, self))
+        self._entry = RequestMetrics(SessionRoutes(fastapi_app, routes))
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         scope["app"] = self
+        if scope["type"] == "http" and nul_in_url(scope):
+            await refuse_nul(scope, receive, send)
+            return
         await self._entry(scope, receive, send)
 
 

@@ -6,6 +6,7 @@
     ├── Unauthorized          401 authentication_error
     ├── Forbidden             403 permission_error
     ├── NotFound              404 not_found_error
+    ├── RequestTimeout        408 (the body did not arrive in time)
     ├── Conflict              409 conflict (ended session, trained group, old version)
     ├── PayloadTooLarge       413
     ├── TooManyRequests       429 + Retry-After (staleness admission)
@@ -68,6 +69,12 @@ class Forbidden(GatewayError):
 class NotFound(GatewayError):
     status = 404
     type = "not_found_error"
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class Conflict(GatewayError):

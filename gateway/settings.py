@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     context_length: int = 0
     """Fallback context length when neither the backend nor config.json says (0 = unknown)."""
     max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    """Seconds a client may take to send its whole request body (one that announces a length and sends
+    nothing would otherwise hold a connection and a task forever)."""
     backend_timeout_s: float = 600.0
     """Read timeout for one /generate call."""
     max_resubmits: int = 8

@@ -3,6 +3,7 @@ responses, and the one mapping of exceptions to OpenAI-shaped error answers."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 from typing import Any, TypeVar
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, error_body
+from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_body
 
 M = TypeVar("M", bound=BaseModel)
 # The store could not be reached or locked: through SQLAlchemy, or from the direct statements' own drivers.
@@ -32,24 +33,29 @@ async def read_raw_body(request: Request) -> bytes:
     """The request body, refused with 413 past `max_body_bytes` (by Content-Length before reading any of it).
 
     Reads the ASGI messages directly: Starlette's `Request.body()` stream machinery was ~0.15 ms a call."""
-    limit: int = request.app.state.settings.max_body_bytes
+    settings = request.app.state.settings
+    limit: int = settings.max_body_bytes
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise PayloadTooLarge(f"request body is {length} bytes; the limit is {limit}")
     receive = request.receive
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    try:
+        async with asyncio.timeout(settings.body_timeout_s):  # a timer handle, no task: cheap on the hot path
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {settings.body_timeout_s:g} s") from None
 
 
 MAX_JSON_DEPTH = 128
@@ -116,9 +122,9 @@ def error_response(exc: Exception) -> Response:
         return json_response(exc.body(), exc.status, headers)
     if isinstance(exc, RequestValidationError):
         return json_response(validation_error_body(exc.errors()), 400)
-    if isinstance(exc, StarletteHTTPException):
+    if isinstance(exc, StarletteHTTPException):  # its headers kept: a 405 says what is Allow-ed
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return json_response(error_body(str(exc.detail), kind), exc.status_code)
+        return json_response(error_body(str(exc.detail), kind), exc.status_code, dict(exc.headers or {}))
     if isinstance(exc, jinja2.TemplateError):
         # The model's chat template refused the conversation (e.g. roles in an order it does not allow).
         return json_response(error_body(f"the chat template refused these messages: {exc}", "invalid_request_error",

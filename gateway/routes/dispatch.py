@@ -69,3 +69,45 @@ class SessionRoutes:
         except Exception as exc:  # mapped to the OpenAI envelope (a 500 for a bug, logged)
             response = error_response(exc)
         await response(scope, receive, send)
+
+
+class ErrorBoundary:
+    """ASGI middleware around the FastAPI app: an exception that escapes a route never reaches the server.
+
+    Starlette answers an unexpected exception with the registered handler (our envelope, a logged 500) and
+    then re-raises it for the server, and uvicorn closes the connection: the client's next request on that
+    keep-alive connection was reset. Here the re-raise ends: answered already, nothing more to do; and an
+    exception before any answer gets the envelope."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if not started:
+                await error_response(exc)(scope, receive, send)
+
+
+def nul_in_url(scope: Any) -> bool:
+    """A NUL character in the path or the query string: PostgreSQL can't compare text with one (it answered
+    500 where SQLite answered 404), and no id, state or cursor of ours holds one."""
+    return "\x00" in scope["path"] or b"%00" in scope.get("query_string", b"")
+
+
+async def refuse_nul(scope: Any, receive: Any, send: Any) -> None:
+    body = error_body("the URL holds a NUL character (%00), which is not accepted", "invalid_request_error")
+    await json_response(body, 400)(scope, receive, send)
+

@@ -195,3 +195,81 @@ def test_largest_version_still_records_turns(tmp_path: Any, tiny_model_dir: Any,
         assert chat(gw, cred, OK).status_code == 200
         (turn,) = gw.session(cred["session_id"])["turns"]
         assert set(turn["versions"]) == {2**31 - 1}
+
+
+# --- 4. NUL characters in URLs: the same 400 on both stores ---
+
+
+@pytest.mark.parametrize("path", [
+    "/sessions/sess_%00/v1/models",
+    "/v1/sessions/sess_%00",
+    "/v1/groups/grp_%00",
+    "/v1/sessions?state=finished%00",
+    "/v1/sessions?after=%00",
+    "/v1/batches/b%00/renew",
+    "/v1/batches/b%00/ack",
+])
+def test_nul_in_url_is_refused(gateway: LiveGateway, path: str) -> None:
+    method = "POST" if path.endswith(("renew", "ack")) else "GET"
+    bad_request(gateway.admin.request(method, path, json={} if method == "POST" else None), "NUL")
+
+
+# --- 5. an internal fault answers 500 in the envelope and leaves the keep-alive connection usable ---
+
+
+def _raw_exchange(port: int, requests: list[bytes]) -> list[bytes]:
+    """Send each request on one connection, reading each whole answer before the next."""
+    import socket
+
+    answers = []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        f = sock.makefile("rb")
+        for req in requests:
+            sock.sendall(req)
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                byte = f.read(1)
+                assert byte, f"connection closed after {len(answers)} answer(s)"
+                head += byte
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            answers.append(head + f.read(length))
+    return answers
+
+
+def test_internal_fault_keeps_the_connection(gateway: LiveGateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken() -> Any:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(gateway.app.state.leases, "current_weights", broken)
+    auth = f"Authorization: Bearer {gateway.admin.headers['Authorization'].split()[1]}\r\n".encode()
+    req = b"GET /v1/weights HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n"
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    first, second = _raw_exchange(gateway.port, [req, health])
+    assert first.startswith(b"HTTP/1.1 500")
+    assert orjson.loads(first.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "server_error"
+    assert second.startswith(b"HTTP/1.1 200")
+
+
+def test_405_says_what_is_allowed(gateway: LiveGateway) -> None:
+    r = gateway.admin.delete("/v1/groups")
+    assert r.status_code == 405 and "POST" in r.headers["allow"], (r.status_code, r.headers)
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = gateway.admin.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+def test_body_that_never_arrives_times_out(tiny_model_dir: Any, sqlite_url: str) -> None:
+    import socket
+    import time
+
+    with FakeSGLang(vocab=range(100, 1000)) as f, LiveGateway(backends=[f.url], tokenizer=str(tiny_model_dir),
+                                                              db=sqlite_url, body_timeout_s=1.0) as gw:
+        cred = gw.group(1)["sessions"][0]
+        t0 = time.monotonic()
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer " + cred["api_key"].encode() + b"\r\nContent-Length: 100\r\n\r\n")
+            answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert time.monotonic() - t0 < 5
