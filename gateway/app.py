@@ -155,6 +155,7 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
             await http.close()
             await store.close()
 
+    from gateway import openapi
     from gateway.routes import backends, groups, openai_api, responses, system, training
 
     app = GatewayApp(routes={**openai_api.ROUTES, **responses.ROUTES}, title="rollway gateway", lifespan=lifespan)
@@ -164,6 +165,7 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
     app.include_router(training.router)
     app.include_router(backends.router)
     app.include_router(system.router)
+    openapi.install(app)
     return app
 
 

@@ -12,7 +12,7 @@ route.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -134,8 +134,11 @@ class ChatCompletionRequest(_Lenient):
 # --- completions ------------------------------------------------------------------------------------
 
 
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
 class CompletionRequest(_Lenient):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[TokenId] | list[str]
     model: str | None = None
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=20)

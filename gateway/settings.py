@@ -3,11 +3,36 @@
 from __future__ import annotations
 
 import ipaddress
+import urllib.parse
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def backend_url(url: str) -> str:
+    """A backend's base URL, checked: `http://` or `https://`, a host (IDNA-encodable), a port in range, no
+    user, query or fragment. Returns it without a trailing slash; ValueError says what is wrong."""
+    url = url.strip().rstrip("/")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # raises for a port out of range or not a number
+    except ValueError as e:
+        raise ValueError(f"not a valid backend URL {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"backend URL {url!r}: the scheme must be http or https")
+    if not parts.hostname:
+        raise ValueError(f"backend URL {url!r} has no host")
+    try:
+        parts.hostname.encode("idna")
+    except UnicodeError:
+        raise ValueError(f"backend URL {url!r}: the host is not a valid domain name") from None
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise ValueError(f"backend URL {url!r}: no user, query or fragment (give scheme://host:port[/path])")
+    if port == 0:
+        raise ValueError(f"backend URL {url!r}: port 0")
+    return url
 
 
 class Settings(BaseSettings):
@@ -60,7 +85,9 @@ class Settings(BaseSettings):
     @classmethod
     def _split_backends(cls, v: object) -> object:
         if isinstance(v, str):
-            return [u.strip() for u in v.split(",") if u.strip()]
+            v = [u.strip() for u in v.split(",") if u.strip()]
+        if isinstance(v, list):
+            return [backend_url(u) if isinstance(u, str) else u for u in v]
         return v
 
     @property

@@ -11,12 +11,14 @@ from typing import cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, field_validator
 from sqlalchemy import Table, delete, select
 
 from gateway.auth import admin
 from gateway.errors import NotFound, ServiceUnavailable
+from gateway.protocol import Strict
 from gateway.routes.common import json_response, read_body
+from gateway.settings import backend_url
 from gateway.sglang import BackendError
 from gateway.store.models import BackendRow
 
@@ -24,9 +26,14 @@ router = APIRouter()
 BR = cast(Table, BackendRow.__table__)
 
 
-class AddBackend(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    url: str = Field(min_length=8, pattern=r"^https?://")
+class AddBackend(Strict):
+    url: str = Field(min_length=8, max_length=2048, pattern=r"^https?://")
+    """An SGLang server's base URL: http:// or https://, host, port (e.g. http://10.0.0.5:30000)."""
+
+    @field_validator("url")
+    @classmethod
+    def _valid(cls, v: str) -> str:
+        return backend_url(v)
 
 
 def backend_json(b: object) -> dict[str, object]:

@@ -273,3 +273,33 @@ def test_body_that_never_arrives_times_out(tiny_model_dir: Any, sqlite_url: str)
             answer = sock.recv(65536)
         assert answer.startswith(b"HTTP/1.1 408"), answer
         assert time.monotonic() - t0 < 5
+
+
+# --- 6. backend URLs are validated: 400, saying what is supported ---
+
+
+@pytest.mark.parametrize("url, text", [
+    ("http://127.0.0.1:99999", "Port out of range"),
+    ("http://[::1", "Invalid IPv6"),
+    ("http://" + "x" * 70 + ".com:80", "not a valid domain name"),
+    ("http://a..b:1", "not a valid domain name"),
+    ("ftp://host:1", "https?"),
+    ("http://u:p@host:1", "no user"),
+    ("http://host:1/?q=1", "no user, query"),
+])
+def test_bad_backend_url_is_refused(gateway: LiveGateway, url: str, text: str) -> None:
+    before = [b["url"] for b in gateway.admin.get("/v1/backends").json()["data"]]
+    bad_request(gateway.admin.post("/v1/backends", json={"url": url}), text)
+    assert [b["url"] for b in gateway.admin.get("/v1/backends").json()["data"]] == before
+
+
+def test_unreachable_backend_is_a_503_not_a_500(gateway: LiveGateway) -> None:
+    r = gateway.admin.post("/v1/backends", json={"url": "https://127.0.0.1:9"})
+    assert r.status_code == 503 and "not usable" in r.json()["error"]["message"], r.text
+
+
+def test_out_of_range_prompt_token_ids_are_refused(gateway: LiveGateway, cred: dict[str, Any]) -> None:
+    for ids in ([-1, 5], [2**31]):
+        r = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": ids, "max_tokens": 2},
+                       headers={"Authorization": f"Bearer {cred['api_key']}"})
+        bad_request(r, "prompt")

@@ -1,0 +1,148 @@
+"""Fuzz the gateway from its own OpenAPI document (schemathesis + Hypothesis), with the admin key and with a
+session key, on SQLite and PostgreSQL.
+
+Asserts, for every generated request: no 5xx (a 503 only where documented and not from the store, which is
+up); no 2xx on an admin route for a session key; the status is one the operation documents; every error is
+in the OpenAI envelope. Prints a route x status table (`pytest -s` shows it). The default run makes a
+bounded number of examples per operation and key; `pytest -m slow tests/gateway/test_fuzz.py` makes more.
+
+    ROLLWAY_FUZZ_EXAMPLES=200 pytest -s -m slow tests/gateway/test_fuzz.py   # longer
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.app import create_app
+from gateway.openapi import OPERATIONS
+from gateway.routes.openai_api import ROUTES as OPENAI_ROUTES
+from gateway.routes.responses import ROUTES as RESPONSES_ROUTES
+from gateway.settings import Settings
+from tests.harness import ADMIN_KEY, LiveGateway
+
+DEFAULT_EXAMPLES = 12
+SLOW_EXAMPLES = int(os.environ.get("ROLLWAY_FUZZ_EXAMPLES", "150"))
+
+
+def test_every_route_is_documented(tiny_model_dir: Any) -> None:
+    """Each FastAPI route and each plain-ASGI OpenAI route has an entry in the OpenAPI table, and no more."""
+    from fastapi.routing import APIRoute
+
+    app = create_app(Settings(backends=["http://127.0.0.1:9"], tokenizer=str(tiny_model_dir)), admin_key="k")
+    routes = [*app.routes, *(r for inc in app.routes for r in getattr(getattr(inc, "original_router", None),
+                                                                       "routes", []))]
+    served = {(m, r.path) for r in routes if isinstance(r, APIRoute) for m in r.methods}
+    for path, (method, _) in {**OPENAI_ROUTES, **RESPONSES_ROUTES}.items():
+        served |= {(method, path), (method, "/sessions/{session_id}" + path)}
+    assert served == set(OPERATIONS)
+    doc = app.openapi()
+    for (method, path), op in OPERATIONS.items():
+        operation = doc["paths"][path][method.lower()]
+        assert set(operation["responses"]) == {str(s) for s in op.statuses}
+        assert ("requestBody" in operation) == (op.body is not None)
+
+
+class Fuzz:
+    """Runs generated requests against one live gateway; collects a route x status table and the problems."""
+
+    def __init__(self, gw: LiveGateway) -> None:
+        self.gw = gw
+        own = gw.group(2)["sessions"][0]
+        other = gw.group(1)["sessions"][0]
+        self.keys = {"admin": ADMIN_KEY, "session": own["api_key"]}
+        self.session_ids = [own["session_id"], other["session_id"]]
+        self.table: Counter[tuple[str, str, int]] = Counter()
+        self.problems: list[str] = []
+        self.client = httpx.Client(timeout=30)
+
+    def run(self, examples: int) -> None:
+        import schemathesis
+
+        schema = schemathesis.openapi.from_url(f"{self.gw.url}/openapi.json")
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            for who in self.keys:
+                self._runner(operation, who, examples)()
+        self.client.close()
+
+    def _runner(self, operation: Any, who: str, examples: int) -> Any:
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy(), use_real=st.booleans(), pick=st.integers(0, 1))
+        def run(case: Any, use_real: bool, pick: int) -> None:
+            self.check(operation.method.upper(), operation.path, who, case, use_real, pick)
+
+        return run
+
+    def check(self, method: str, path: str, who: str, case: Any, use_real: bool, pick: int) -> None:
+        op = OPERATIONS[(method, path)]
+        if use_real and case.path_parameters and "session_id" in case.path_parameters:
+            case.path_parameters["session_id"] = self.session_ids[pick]
+        kwargs = case.as_transport_kwargs(base_url=self.gw.url)
+        headers = {k: v for k, v in (kwargs.get("headers") or {}).items() if k.lower() != "authorization"}
+        if op.auth != "session_path":
+            headers["Authorization"] = f"Bearer {self.keys[who]}"
+        r = self.client.request(method, kwargs["url"], headers=headers, params=kwargs.get("params"),
+                                content=_content(kwargs))
+        self.table[(who, f"{method} {path}", r.status_code)] += 1
+        where = f"[{who}] {method} {r.url} -> {r.status_code}: {r.text[:300]}"
+        if r.status_code >= 500 and not (r.status_code == 503 and 503 in op.errors
+                                         and r.json()["error"].get("code") != "store_unavailable"):
+            self.problems.append("5xx " + where)
+        if who == "session" and op.auth == "admin" and r.status_code < 300:
+            self.problems.append("session key got 2xx on an admin route " + where)
+        if r.status_code not in op.statuses:
+            self.problems.append("undocumented status " + where)
+        if r.status_code >= 400:
+            err = r.json().get("error")
+            if not (isinstance(err, dict) and err.get("message") and err.get("type")):
+                self.problems.append("not the error envelope " + where)
+
+
+def _fuzz(gw: LiveGateway, examples: int) -> tuple[Counter[tuple[str, str, int]], list[str]]:
+    fuzz = Fuzz(gw)
+    fuzz.run(examples)
+    return fuzz.table, fuzz.problems
+
+
+def _content(kwargs: dict[str, Any]) -> bytes | None:
+    import json
+
+    if "json" in kwargs:
+        return json.dumps(kwargs["json"]).encode()
+    data = kwargs.get("data") or kwargs.get("content")
+    return data.encode() if isinstance(data, str) else data
+
+
+def _report(table: Counter[tuple[str, str, int]], problems: list[str], db: str) -> None:
+    routes = sorted({(route, who) for who, route, _ in table})
+    statuses = sorted({s for _, _, s in table})
+    print(f"\nfuzz on {db}: {sum(table.values())} requests "
+          f"(admin key {sum(n for (w, _, _), n in table.items() if w == 'admin')}, "
+          f"session key {sum(n for (w, _, _), n in table.items() if w == 'session')}), "
+          f"5xx: {sum(n for (_, _, s), n in table.items() if s >= 500)}")
+    print(f"{'route':<52} {'key':<8} " + " ".join(f"{s:>4}" for s in statuses))
+    for route, who in routes:
+        print(f"{route:<52} {who:<8} " + " ".join(f"{table.get((who, route, s), 0) or '':>4}" for s in statuses))
+    for p in problems[:20]:
+        print("PROBLEM", p)
+
+
+def test_fuzz(gateway: LiveGateway, db_url: str) -> None:
+    table, problems = _fuzz(gateway, DEFAULT_EXAMPLES)
+    _report(table, problems, db_url.split(":")[0])
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.slow
+def test_fuzz_long(gateway: LiveGateway, db_url: str) -> None:
+    table, problems = _fuzz(gateway, SLOW_EXAMPLES)
+    _report(table, problems, db_url.split(":")[0])
+    assert not problems, "\n".join(problems[:20])
