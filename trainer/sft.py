@@ -25,7 +25,7 @@ from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, sa
 from trainer.client import GatewayClient
 from trainer.config import TrainConfig
 from trainer.fsdp import DistInfo, broadcast, load_sharded_model
-from trainer.metrics import MetricsSink
+from trainer.metrics import BarTarget, MetricsSink
 from trainer.step import forward_logprobs, make_optimizer, sft_step
 
 
@@ -182,8 +182,10 @@ def run_sft(cfg: TrainConfig, info: DistInfo) -> None:
     ckpt = latest_checkpoint(out / "checkpoints")
     if ckpt is not None:
         step, _ = load_checkpoint(model, optimizer, ckpt)
-    sink = MetricsSink(out, enabled=info.is_main, total_steps=total)
     probe = rows[: cfg.sft_probe_sequences] if cfg.sft_stop_at_match > 0 else []
+    # with a target, the bar shows the measured match against it: that is what ends the run, `total` is a ceiling
+    target = BarTarget("probe_match", cfg.sft_stop_at_match, "match") if probe else None
+    sink = MetricsSink(out, enabled=info.is_main, total_steps=total, target=target)
 
     # ---------------- loop
     try:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 import pytest
+from tqdm import TqdmWarning
 from transformers import AutoTokenizer
 
 from trainer.config import load_config
 from trainer.fsdp import init_distributed
+from trainer.metrics import BarTarget, MetricsSink
 from trainer.sft import chat_row, expected_match, run_sft
 
 CHAT = [
@@ -85,7 +89,9 @@ def test_expected_match_is_the_probability_of_sampling_the_reply(tiny_model: Pat
     assert model.training  # restored
 
 
-def test_sft_stops_once_the_expected_match_is_reached(dist_env: None, tiny_model: Path, tmp_path: Path) -> None:
+def test_sft_stops_once_the_expected_match_is_reached(
+    dist_env: None, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = tmp_path / "chats.jsonl"
     short = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
     data.write_text("\n".join(json.dumps({"messages": short}) for _ in range(8)) + "\n")
@@ -104,6 +110,50 @@ def test_sft_stops_once_the_expected_match_is_reached(dist_env: None, tiny_model
     assert probes[-1] >= 0.5 and all(p < 0.5 for p in probes[:-1]), probes
     assert len(records) % 2 == 0  # it stops only on a measured step
     assert (tmp_path / "out" / "weights" / "sft-final" / "model.safetensors").is_file()
+    # the bar's last state: the match that stopped it against the target, the steps against their ceiling
+    last = capsys.readouterr().err.split("\r")[-1]
+    assert last.startswith(f"match {probes[-1]:.3f}/0.500 |"), last
+    assert f"step {len(records)}/100" in last, last
+
+
+def _bar_states(err: str) -> list[str]:
+    return [x.strip() for x in err.split("\r") if x.strip()]
+
+
+def test_bar_shows_the_match_against_its_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = BarTarget("probe_match", 0.12, "match")
+    sink = MetricsSink(tmp_path, total_steps=1800, tensorboard=False, target=target)
+    for step in range(1, 11):
+        metrics: dict[str, float | int] = {"loss": 0.5}
+        if step % 5 == 0:
+            metrics["probe_match"] = {5: 0.085, 10: 0.131}[step]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", TqdmWarning)  # a fraction above 1 warns
+            sink.log(step, metrics)
+        if step == 7:
+            assert sink.bar_text().startswith("match 0.085/0.120 |"), sink.bar_text()
+            assert "step 7/1800" in sink.bar_text()
+    sink.close()
+    states = _bar_states(capsys.readouterr().err)
+    assert states[0].startswith("match -/0.120 |")  # nothing measured yet: not a measured 0.000
+    assert any(x.startswith("match 0.085/0.120 |") and "step 5/1800" in x for x in states), states
+    # past the target: the true value is shown and the bar is full (n clamped to the total)
+    assert re.match(r"match 0\.131/0\.120 \|[^ |]{10}\|", states[-1]), states[-1]
+    assert "step 10/1800, loss=0.5" in states[-1]
+    # no step bar, no rate
+    assert not any("1800 [" in x or "it/s" in x or "step/s" in x for x in states), states
+
+
+def test_bar_without_a_target_counts_steps_from_a_resumed_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sink = MetricsSink(tmp_path, total_steps=50, tensorboard=False)
+    sink.log(41, {"loss": 0.5})  # resumed from a checkpoint at step 40
+    sink.log(42, {"loss": 0.4})
+    assert "42/50" in sink.bar_text(), sink.bar_text()
+    sink.close()
+    err = capsys.readouterr().err
+    assert _bar_states(err)[-1].startswith("train:  84%|"), err
 
 
 def test_bad_jsonl_names_the_line(tiny_model: Path, tmp_path: Path) -> None:
