@@ -3,13 +3,16 @@
 A weight publish pauses the backends in abort mode: an in-flight request comes back with its partial
 tokens and an abort finish reason. We resubmit prompt + partial with the budget reduced, to the same
 backend (its prefix cache is warm; while paused it holds new requests until continue), and stamp each
-token with the weight version that produced it (design "Weight versions"; sglang-contract "How RL systems
-drive an update"). The agent sees one reply.
+token with the weight version that produced it (docs/architecture.md, "Weight versions"). A backend that
+dies mid-stream is handled the same way: the pool marks it failed, and prompt + partial go to a healthy
+one. Either way the agent sees one reply, and `Generation.backends` records which backend produced which
+tokens.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +21,8 @@ from gateway.errors import BadRequest, ServiceUnavailable
 from gateway.pool import Backend, BackendPool, NoBackendAvailable
 from gateway.sglang import BackendRejected, BackendUnavailable
 from gateway.store.store import unique_id
+
+log = logging.getLogger("rollway.gateway")
 
 
 def parse_version(v: str | None) -> int:
@@ -43,6 +48,13 @@ class Generation:
     cached_tokens: int = 0
     resubmits: int = 0
     backend_id: str | None = None
+    backends: list[tuple[int, str]] = field(default_factory=list)
+    """(index of the first token, backend id) each time another backend took over the reply."""
+
+    def served_by(self, backend_id: str) -> None:
+        self.backend_id = backend_id
+        if not self.backends or self.backends[-1][1] != backend_id:
+            self.backends.append((len(self.ids), backend_id))
 
     @property
     def finish_type(self) -> str:
@@ -90,7 +102,8 @@ async def generate(
         # The pool keeps a session on its backend, so a resubmission lands where the prefix is cached.
         try:
             if stream:
-                gen = pool.stream_with_failover(session_id, group_id, payload)
+                gen = pool.stream_with_failover(session_id, group_id, payload,
+                                                lambda b: out.served_by(b.id))
                 try:
                     async for chunk in gen:
                         out.prompt_tokens = chunk.prompt_tokens or out.prompt_tokens
@@ -105,7 +118,7 @@ async def generate(
                     await gen.aclose()
             else:
                 backend, res = await pool.run_with_failover(session_id, group_id, functools.partial(_generate_on, payload=payload))
-                out.backend_id = backend.id
+                out.served_by(backend.id)
                 out.prompt_tokens = res.prompt_tokens or out.prompt_tokens
                 out.cached_tokens = res.cached_tokens or out.cached_tokens
                 out.add(res.output_ids, res.logprobs, res.top_logprobs, parse_version(res.weight_version))
@@ -116,9 +129,12 @@ async def generate(
             raise BadRequest(f"the inference backend refused the request: {e}") from e
         except NoBackendAvailable as e:
             raise ServiceUnavailable(f"no inference backend is available: {e}", retry_after=5) from e
-        except BackendUnavailable as e:  # mid-stream: tokens were already sent on, no failover
-            raise ServiceUnavailable(f"the inference backend failed mid-reply: {e}", retry_after=2) from e
-        if out.finish_type != "abort":
+        except BackendUnavailable as e:
+            # Lost mid-stream (the pool marked it failed): what was sent on stays, the rest comes from
+            # another backend, as after a publish's abort.
+            log.warning("backend lost mid-reply after %d tokens, resubmitting: %s", len(out.ids), e)
+            out.finish = None
+        if out.finish is not None and out.finish_type != "abort":
             return
         out.resubmits = attempt + 1
     raise ServiceUnavailable(

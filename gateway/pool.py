@@ -199,10 +199,13 @@ class BackendPool:
                 backend.in_flight -= 1
 
     async def stream_with_failover(
-        self, session_id: str, group_id: str | None, payload: dict[str, Any]
+        self, session_id: str, group_id: str | None, payload: dict[str, Any],
+        on_backend: Callable[[Backend], None] | None = None,
     ) -> AsyncGenerator[GenChunk, None]:
         """`generate_stream` through the pool. Fails over only until the first chunk arrived (nothing
-        was sent on yet); later errors propagate. Counts as in flight until the stream is closed."""
+        was sent on yet); a backend lost later (BackendUnavailable) is marked failed and the error
+        propagates, for the caller to resubmit what it has elsewhere (`generation.generate`). Counts as in
+        flight until the stream is closed; `on_backend` learns which backend serves it."""
 
         async def first(b: Backend) -> tuple[Backend, AsyncGenerator[GenChunk, None], GenChunk]:
             stream = b.client.generate_stream(payload)
@@ -216,11 +219,17 @@ class BackendPool:
             return b, stream, chunk
 
         backend, stream, chunk = await self.run_with_failover(session_id, group_id, first)
+        if on_backend is not None:
+            on_backend(backend)
         backend.in_flight += 1
         try:
             yield chunk
-            async for chunk in stream:
-                yield chunk
+            try:
+                async for chunk in stream:
+                    yield chunk
+            except BackendUnavailable as e:
+                self.mark_failed(backend, f"lost mid-stream: {e}")
+                raise
         finally:
             backend.in_flight -= 1
             await stream.aclose()

@@ -239,6 +239,8 @@ class TurnService:
             timings={
                 "started": p.started, "finished": time.time(), "resubmits": gen.resubmits,
                 "prompt_tokens": len(p.prompt_ids), "cached_tokens": gen.cached_tokens, "backend": gen.backend_id,
+                # [[first token index, backend id], ...]: more than one when a backend died mid-reply.
+                "backends": gen.backends,
             },
         )
         # Shielded: a client that goes away while we commit must not cancel the commit.
