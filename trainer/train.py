@@ -220,6 +220,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             metrics.update(
                 reward_mean=statistics.fmean(rewards) if rewards else 0.0,
                 reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+                reward_n=len(rewards),  # sessions behind the mean: the reward plot's confidence band
                 groups_accepted=len(batch.groups),
                 groups_filtered=batch.filtered,
                 groups_stale=batch.stale,
