@@ -111,13 +111,13 @@ def build_workload(tokenizer_dir: Path) -> Workload:
     parsed = parse_reply(template.completion_text(REPLY_IDS), get_tool_parser("hermes"))
     reply = template.assistant_message(parsed)
     call1 = json.loads(json.dumps(CALL1).replace(N, "1"))
-    ids1 = template.render_ids(call1, [TOOL])
-    ext = template.extension_ids([*call1, reply], REPLY_IDS, [FOLLOW_UP], [TOOL])
+    ids1 = template.render_prompt(call1, [TOOL])[0]
+    ext = template.extension([*call1, reply], REPLY_IDS, [FOLLOW_UP], [TOOL])
     assert ext is not None, "the workload is not prefix stable under the template"
     sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": sorted(template.stop_token_ids),
                 "skip_special_tokens": False}
     return Workload(reply, chat_body(CALL1), chat_body([*CALL1, reply, FOLLOW_UP]), ids1,
-                    ids1 + list(REPLY_IDS) + ext, sampling)
+                    ids1 + list(REPLY_IDS) + ext[0], sampling)
 
 
 # --- wrk and its Lua script ---------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Async client for one SGLang server's native HTTP API (the subset in docs/sglang-contract.md).
 
-One `SGLangClient` per server; all of them share one `aiohttp.ClientSession` made by `new_session()` for
-streams and control calls (aiohttp keeps a proxied request near 0.3 ms of gateway CPU, several times less
-than httpx). The non-streaming `/generate`, one per agent turn, goes over a lean keep-alive client of the
-server's own (`gateway.http1`: ~0.03 ms instead of aiohttp's ~0.1 ms).
+One `SGLangClient` per server; all of them share the gateway's one `aiohttp.ClientSession` (made in
+`gateway.app.create_app`) for streams and control calls (aiohttp keeps a proxied request near 0.3 ms of
+gateway CPU, several times less than httpx). The non-streaming `/generate`, one per agent turn, goes over a
+lean keep-alive client of the server's own (`gateway.http1`: ~0.03 ms instead of aiohttp's ~0.1 ms).
 
 Exceptions (the pool fails over on `BackendUnavailable`; the app maps the rest to HTTP in one place):
 
@@ -81,15 +81,6 @@ class GenChunk(GenResult):
 
 
 _R = TypeVar("_R", bound=GenResult)
-
-
-def new_session(*, max_connections: int = 0, keepalive_s: float = 75.0) -> aiohttp.ClientSession:
-    """The shared session for every SGLangClient of a process (call inside the running loop).
-
-    aiohttp's default connector allows 100 connections in all, far below the concurrent streams of a
-    gateway serving thousands of agents; 0 = no limit (the backends queue requests themselves)."""
-    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=keepalive_s)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
 
 
 class SGLangClient:

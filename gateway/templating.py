@@ -20,7 +20,7 @@ from typing import Any
 from gateway.continuity import drop_none
 from gateway.encoding import CachedEncoder
 from gateway.errors import BadRequest
-from gateway.tool_parsers import ParsedReply, ToolParser, get_tool_parser, parse_reply
+from gateway.tool_parsers import ParsedReply, ToolParser, get_tool_parser
 
 # Tokens that end an assistant turn, by template family, in order of preference.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -142,16 +142,13 @@ class ChatTemplate:
         end_of_turn: str | None = None,
         generation_eos_ids: Sequence[int] | None = None,
         chat_template: str | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        """Replaces the tokenizer's own template when given (e.g. a --chat-template file)."""
+        """Replaces the tokenizer's own template when given (tests render other families on one tokenizer)."""
         self.tool_parser: ToolParser = get_tool_parser(tool_parser)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         """The Rust tokenizer of a fast tokenizer (None for a slow one)."""
-        self.template_kwargs = dict(template_kwargs or {})
-        """Extra variables for the template (e.g. Qwen3's enable_thinking)."""
         vocab = tokenizer.get_vocab()
         self.end_of_turn = end_of_turn or _detect_end_of_turn(
             chat_template or tokenizer.chat_template, vocab, tokenizer.eos_token
@@ -166,7 +163,7 @@ class ChatTemplate:
         self._markers = tuple(self.decode([i]) for i in self.stop_token_ids)
         self._longest_marker = max(map(len, self._markers), default=1)
         self._encoder = CachedEncoder(tokenizer)
-        self._variables = {**tokenizer.special_tokens_map, **self.template_kwargs}
+        self._variables = dict(tokenizer.special_tokens_map)
 
     # --- rendering ---------------------------------------------------------------------------------
 
@@ -180,10 +177,10 @@ class ChatTemplate:
         if compiled is None:  # a transformers without the compiled-template cache: its public path
             return str(self.tokenizer.apply_chat_template(
                 hf_messages, tools=hf_tools, add_generation_prompt=add_generation_prompt, tokenize=False,
-                chat_template=self.chat_template, **self.template_kwargs,
+                chat_template=self.chat_template,
             ))
-        # What apply_chat_template renders (special tokens as variables, caller's kwargs over them), without
-        # its copy of every input into plain types: ours are plain JSON already. A third less time a render.
+        # What apply_chat_template renders (special tokens as variables), without its copy of every input
+        # into plain types: ours are plain JSON already. A third less time a render.
         return str(compiled.render(messages=hf_messages, tools=hf_tools, documents=None,
                                    add_generation_prompt=add_generation_prompt, **self._variables))
 
@@ -196,9 +193,6 @@ class ChatTemplate:
         ids and as the rendered text."""
         text = self.render_text(messages, tools, add_generation_prompt=True)
         return self.encode(text), text
-
-    def render_ids(self, messages: Sequence[Message], tools: Sequence[Any] | None) -> list[int]:
-        return self.render_prompt(messages, tools)[0]
 
     def extension(
         self,
@@ -246,17 +240,6 @@ class ChatTemplate:
             text = self.end_of_turn + text  # cut off by max_tokens (or aborted): close the turn
         return self.encode(text), full
 
-    def extension_ids(
-        self,
-        prev_messages: Sequence[Message],
-        prev_completion_ids: Sequence[int],
-        new_messages: Sequence[Message],
-        tools: Sequence[Any] | None,
-    ) -> list[int] | None:
-        """`extension`'s ids alone."""
-        ext = self.extension(prev_messages, prev_completion_ids, new_messages, tools)
-        return None if ext is None else ext[0]
-
     # --- replies -----------------------------------------------------------------------------------
 
     def completion_text(self, ids: Sequence[int]) -> str:
@@ -265,11 +248,6 @@ class ChatTemplate:
         if ids and ids[-1] in self._stop_set:
             ids = ids[:-1]
         return self.decode(ids)
-
-    def parse(self, ids: Sequence[int], *, reasoning: bool = True, tools_offered: bool = True) -> ParsedReply:
-        """Completion ids to reasoning, content and tool calls (no tool parsing when none were offered)."""
-        parser = self.tool_parser if tools_offered else None
-        return parse_reply(self.completion_text(ids), parser, reasoning=reasoning)
 
     @staticmethod
     def assistant_message(parsed: ParsedReply) -> dict[str, Any]:

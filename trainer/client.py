@@ -4,8 +4,9 @@
     ├── GatewayUnreachable        connection refused / timed out: the message names the URL
     └── GatewayHTTPError          the gateway answered 4xx/5xx: status, type, code and its message
 
-Arrays arrive in the compact wire form and are decoded here with `gateway.wire.decode_array`, so the rest
-of the trainer sees plain lists (`Sample`).
+Arrays arrive in the compact wire form and are decoded here with `rollway.wire.decode_array` (the trainer
+imports nothing from the gateway: it reaches it only over HTTP), so the rest of the trainer sees plain lists
+(`Sample`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from gateway.wire import decode_array
+from rollway.wire import decode_array
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,9 @@ from gateway.auth import chat_session
 from gateway.errors import BadRequest
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, note_unknown_fields
 from gateway.routes.common import json_response, read_body
+from gateway.routes.replies import logprobs_content, run_to_end, usage
 from gateway.routes.streaming import stream_turn
+from gateway.templating import ChatTemplate
 from gateway.turns import TurnRequest, TurnService, require_tools_supported
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
@@ -83,28 +85,6 @@ def chat_turn_request(body: ChatCompletionRequest) -> TurnRequest:
     )
 
 
-def logprobs_content(turns: TurnService, ids: list[int], lps: list[float], tops: list[Any]) -> list[dict[str, Any]]:
-    out = []
-    for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
-        if tid in turns.stop_ids:
-            continue
-        text, raw = turns.token_text(tid)
-        entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": raw, "top_logprobs": []}
-        if i < len(tops) and tops[i]:
-            entry["top_logprobs"] = [
-                {"token": (tb := turns.token_text(cand))[0], "logprob": clp, "bytes": tb[1]} for cand, clp in tops[i]
-            ]
-        out.append(entry)
-    return out
-
-
-def tool_calls_json(parsed: Any) -> list[dict[str, Any]]:
-    return [
-        {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
-        for tc in parsed.tool_calls
-    ]
-
-
 async def _chat(request: Request, session_id: str | None) -> Response:
     body = await read_body(request, ChatCompletionRequest)
     note_unknown_fields(body, "chat.completions")
@@ -118,11 +98,7 @@ async def _chat(request: Request, session_id: str | None) -> Response:
         return await stream_turn(request, prepared, model=model, include_usage=include_usage,
                                  want_logprobs=bool(body.logprobs))
     gen, done = await run_to_end(request, prepared)
-    message: dict[str, Any] = {"role": "assistant", "content": done.parsed.content}
-    if done.parsed.reasoning_content is not None:
-        message["reasoning_content"] = done.parsed.reasoning_content
-    if done.parsed.tool_calls:
-        message["tool_calls"] = tool_calls_json(done.parsed)
+    message = ChatTemplate.assistant_message(done.parsed)
     choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}
     if body.logprobs:
         choice["logprobs"] = {"content": logprobs_content(turns, gen.ids, gen.logprobs, gen.top_logprobs)}
@@ -130,29 +106,6 @@ async def _chat(request: Request, session_id: str | None) -> Response:
         "id": done.turn_id, "object": "chat.completion", "created": int(prepared.started), "model": model,
         "choices": [choice], "usage": usage(len(prepared.prompt_ids), len(gen.ids), gen.cached_tokens),
     })
-
-
-async def run_to_end(request: Request, prepared: Any) -> tuple[Any, Any]:
-    """Non-streaming generation, then the durable store of the turn."""
-    from gateway.generation import Generation, generate
-
-    state = request.app.state
-    gen = Generation()
-    async for _ in generate(
-        state.pool, session_id=prepared.auth.id, group_id=prepared.auth.group_id, prompt_ids=prepared.prompt_ids,
-        sampling=prepared.sampling, max_new_tokens=prepared.max_new_tokens, top_logprobs=prepared.req.top_logprobs,
-        stream=False, max_resubmits=state.settings.max_resubmits, out=gen,
-    ):
-        pass
-    done = await state.turns.finish(prepared, gen)
-    return gen, done
-
-
-def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
 
 
 async def _completions(request: Request, session_id: str | None) -> Response:

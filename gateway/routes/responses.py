@@ -17,7 +17,7 @@ from gateway.auth import chat_session
 from gateway.errors import BadRequest
 from gateway.protocol import ResponsesRequest, note_unknown_fields
 from gateway.routes.common import json_response, read_body
-from gateway.routes.openai_api import run_to_end
+from gateway.routes.replies import run_to_end
 from gateway.turns import TurnRequest, TurnService, require_tools_supported
 
 

@@ -18,7 +18,8 @@ from fastapi.responses import StreamingResponse
 
 from gateway.errors import GatewayError
 from gateway.generation import Generation, generate
-from gateway.templating import IncrementalDetokenizer
+from gateway.routes.replies import logprobs_content, usage
+from gateway.templating import ChatTemplate, IncrementalDetokenizer
 from gateway.tool_parsers import StreamingReplyParser
 from gateway.turns import PreparedTurn, TurnService
 
@@ -40,8 +41,6 @@ def sse(obj: Any) -> bytes:
 async def stream_turn(
     request: Request, prepared: PreparedTurn, *, model: str, include_usage: bool, want_logprobs: bool
 ) -> StreamingResponse:
-    from gateway.routes.openai_api import logprobs_content, tool_calls_json, usage
-
     state = request.app.state
     turns: TurnService = state.turns
     gen = Generation()
@@ -102,7 +101,7 @@ async def stream_turn(
                 if rest:
                     yield chunk({kind: rest})
             if final.tool_calls:
-                calls = tool_calls_json(final)
+                calls = ChatTemplate.assistant_message(final)["tool_calls"]
                 yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
             yield chunk({}, finish=done.finish_reason)
             if include_usage:

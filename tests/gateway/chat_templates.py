@@ -1,4 +1,6 @@
-"""Chat templates the gateway ships for tokenizers that need one (and that its tests render).
+"""A Llama 3.1 chat template for the tests: a second template family next to ChatML, whose bridge between
+turns is empty and whose tool calls are JSON (the llama3_json parser). The gateway itself always renders
+the served tokenizer's own template; nothing here ships.
 
 `LLAMA31_TEMPLATE` follows the shape of Meta's Llama 3.1 template with custom tools: tools as JSON
 schemas in the first user message (Meta's default `tools_in_user_message`), tool results as `ipython`

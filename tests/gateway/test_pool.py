@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from gateway.pool import Backend, BackendPool, NoBackendAvailable
-from gateway.sglang import BackendRejected, BackendUnavailable, GenResult, new_session
+from gateway.sglang import BackendRejected, BackendUnavailable, GenResult
 from tests.fakes.sglang import FakeSGLang
 
 PAYLOAD = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True}
@@ -20,7 +20,9 @@ PAYLOAD = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "re
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with new_session() as session:
+    # As the gateway's (gateway/app.py): no connection limit, no overall deadline (the clients set theirs).
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         yield session
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.fakes.sglang import FakeSGLang
+from tests.gateway.template_calls import render_ids
 from tests.harness import LiveGateway
 
 TOOLS = [{"type": "function", "function": {"name": "calculate", "description": "evaluate arithmetic",
@@ -23,7 +24,7 @@ TOOLS = [{"type": "function", "function": {"name": "calculate", "description": "
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama-3.1-style tokenizer built here (no download), saved like an HF model folder."""
     from engine.tiny_model import build_tokenizer
-    from gateway.chat_templates import LLAMA31_SPECIAL_TOKENS, LLAMA31_TEMPLATE
+    from tests.gateway.chat_templates import LLAMA31_SPECIAL_TOKENS, LLAMA31_TEMPLATE
 
     out = tmp_path_factory.mktemp("llama-tok")
     tok = build_tokenizer(seed=1, extra_special_tokens=LLAMA31_SPECIAL_TOKENS, chat_template=LLAMA31_TEMPLATE)
@@ -80,7 +81,7 @@ def check_chain(s: dict[str, Any], session_id: str, emitted: list[list[int]], fi
     # whole conversation: no token was dropped or changed at any bridge.
     template = s["gw"].app.state.template
     last = turns[-1]
-    assert last["prompt_ids"] == template.render_ids(final_messages[:-1], TOOLS)
+    assert last["prompt_ids"] == render_ids(template, final_messages[:-1], TOOLS)
     full = last["prompt_ids"] + last["completion_ids"]
     fresh = template.encode(template.render_text(final_messages, TOOLS, add_generation_prompt=False))
     assert full == fresh[: len(full)]

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.sglang import BackendRejected, BackendUnavailable, GenChunk, SGLangClient, new_session
+from gateway.sglang import BackendRejected, BackendUnavailable, GenChunk, SGLangClient
 from tests.fakes.sglang import FakeSGLang
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,9 @@ def by_version() -> Iterator[dict[bool, FakeSGLang]]:
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with new_session() as session:
+    # As the gateway's (gateway/app.py): no connection limit, no overall deadline (the clients set theirs).
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         yield session
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from gateway.continuity import Candidate, choose_parent
 from gateway.templating import ChatTemplate
+from tests.gateway.template_calls import extension_ids, parse, render_ids
 from tests.gateway.text_tokenizers import chatml, llama31, model_reply_ids
 
 TOOLS: list[dict[str, Any]] = [
@@ -81,18 +82,18 @@ class Session:
         self.reasons.append(choice.reason)
         if choice.parent_turn_id is not None:
             parent = next(c for c in self.candidates if c.turn_id == choice.parent_turn_id)
-            ext = self.ct.extension_ids(
-                parent.messages, self.completions[parent.turn_id], messages[len(parent.messages) :], TOOLS
+            ext = extension_ids(
+                self.ct, parent.messages, self.completions[parent.turn_id], messages[len(parent.messages) :], TOOLS
             )
             assert ext is not None
             self.extensions.append(ext)
             prompt = self.chains[parent.turn_id] + ext
             mask = self.masks[parent.turn_id] + [0] * len(ext)
         else:
-            prompt = self.ct.render_ids(messages, TOOLS)
+            prompt = render_ids(self.ct, messages, TOOLS)
             mask = [0] * len(prompt)
         turn_id = f"t{len(self.candidates)}"
-        reply = self.ct.assistant_message(self.ct.parse(completion))
+        reply = self.ct.assistant_message(parse(self.ct, completion))
         self.candidates.append(Candidate(turn_id, [*messages, reply], TOOLS, len(self.candidates)))
         self.chains[turn_id] = prompt + completion
         self.masks[turn_id] = mask + [1] * len(completion)
@@ -236,7 +237,7 @@ def test_edited_message_starts_a_new_chain() -> None:
     choice = choose_parent(session.candidates, edited, TOOLS)
     assert (choice.parent_turn_id, choice.reason) == (None, "edited_message")
     # the new chain is the conversation rendered afresh
-    assert ct.render_ids(edited, TOOLS) == ct.encode(ct.render_text(edited, TOOLS))
+    assert render_ids(ct, edited, TOOLS) == ct.encode(ct.render_text(edited, TOOLS))
 
 
 @pytest.mark.parametrize("name", ["chatml", "llama31"])
@@ -244,10 +245,10 @@ def test_reply_cut_by_max_tokens_is_closed_by_the_extension(name: str) -> None:
     ct = TEMPLATES[name]()
     request = SCRIPT[0][0]
     cut = ct.encode("The weather in Paris is")  # no stop token: finish reason "length"
-    reply = ct.assistant_message(ct.parse(cut, tools_offered=False))
+    reply = ct.assistant_message(parse(ct, cut, tools_offered=False))
     assert reply == {"role": "assistant", "content": "The weather in Paris is"}
     new = [{"role": "user", "content": "Go on."}]
-    ext = ct.extension_ids([*request, reply], cut, new, TOOLS)
+    ext = extension_ids(ct, [*request, reply], cut, new, TOOLS)
     assert ext is not None
     assert ext[0] == ct.end_of_turn_id
     assert (
@@ -267,11 +268,11 @@ def test_llama31_plain_json_reply_ending_in_eot_keeps_the_models_token() -> None
     ct = llama31()
     request = SCRIPT[0][0]
     ids = [*ct.encode('{"name": "get_weather", "parameters": {"city": "Paris"}}'), ct.end_of_turn_id]
-    parsed = ct.parse(ids)
+    parsed = parse(ct, ids)
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_weather", '{"city": "Paris"}')]
     reply = ct.assistant_message(parsed)
     result = {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "sunny"}
-    ext = ct.extension_ids([*request, reply], ids, [result], TOOLS)
+    ext = extension_ids(ct, [*request, reply], ids, [result], TOOLS)
     assert ext is not None
     assert ct.decode(ext) == (
         "<|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"

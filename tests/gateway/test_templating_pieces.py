@@ -13,6 +13,7 @@ import pytest
 from gateway.errors import BadRequest
 from gateway.templating import ChatTemplate, IncrementalDetokenizer, hf_message
 from gateway.tool_parsers import ParsedReply, ParsedToolCall
+from tests.gateway.template_calls import extension_ids, parse, render_ids
 from tests.gateway.text_tokenizers import chatml, chatml_tokenizer, llama31
 
 TOOLS: list[dict[str, Any]] = [
@@ -59,10 +60,10 @@ def test_template_that_strips_old_reasoning() -> None:
     ct = ChatTemplate(chatml_tokenizer(), chat_template=STRIPS_OLD_REASONING)
     done = [*ct.encode("<think>\nGreet back.\n</think>\n\nHello."), ct.end_of_turn_id]
     # a tool result keeps the reasoning in history: prefix stable, extends
-    ext = ct.extension_ids(THOUGHTFUL, done, [{"role": "tool", "content": "x"}], None)
+    ext = extension_ids(ct, THOUGHTFUL, done, [{"role": "tool", "content": "x"}], None)
     assert ext is not None and ct.decode(ext) == "\n<|im_start|>tool\nx<|im_end|>\n<|im_start|>assistant\n"
     # a new user message strips it: not prefix stable, so a new chain
-    assert ct.extension_ids(THOUGHTFUL, done, [{"role": "user", "content": "Again"}], None) is None
+    assert extension_ids(ct, THOUGHTFUL, done, [{"role": "user", "content": "Again"}], None) is None
 
 
 def test_template_that_leaves_the_final_reply_open() -> None:
@@ -70,13 +71,13 @@ def test_template_that_leaves_the_final_reply_open() -> None:
     done = [*ct.encode("Hello."), ct.end_of_turn_id]
     # "...Hi<|im_end|>\n<|im_start|>assistant\nHello." is a prefix of the longer render, but the reply has
     # no end-of-turn of its own there; taking Hi's would put the reply's text into the bridge.
-    assert ct.extension_ids(THOUGHTFUL, done, [{"role": "user", "content": "Again"}], None) is None
+    assert extension_ids(ct, THOUGHTFUL, done, [{"role": "user", "content": "Again"}], None) is None
 
 
 def test_template_that_rewrites_history() -> None:
     ct = ChatTemplate(chatml_tokenizer(), chat_template=COUNTS_MESSAGES)
     done = [*ct.encode("Hello."), ct.end_of_turn_id]
-    assert ct.extension_ids(THOUGHTFUL, done, [{"role": "user", "content": "Again"}], None) is None
+    assert extension_ids(ct, THOUGHTFUL, done, [{"role": "user", "content": "Again"}], None) is None
 
 
 # --- pieces ----------------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ def test_openai_and_hf_forms_render_the_same() -> None:
             ],
         },
     ]
-    assert ct.render_ids(hf_form, TOOLS) == ct.render_ids(openai_form, TOOLS)
+    assert render_ids(ct, hf_form, TOOLS) == render_ids(ct, openai_form, TOOLS)
     assert (
         '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
         in ct.render_text(openai_form, TOOLS)
@@ -180,7 +181,7 @@ def test_completion_text_keeps_markers_and_drops_the_stop_token() -> None:
     ct = chatml()
     ids = [*ct.encode('<think>x</think><tool_call>\n{"name": "f"}\n</tool_call>'), ct.end_of_turn_id]
     assert ct.completion_text(ids) == '<think>x</think><tool_call>\n{"name": "f"}\n</tool_call>'
-    assert [c.name for c in ct.parse(ids).tool_calls] == ["f"]
+    assert [c.name for c in parse(ct, ids).tool_calls] == ["f"]
 
 
 def test_incremental_detokenizer_matches_one_decode() -> None:

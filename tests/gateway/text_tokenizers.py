@@ -11,8 +11,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.chat_templates import LLAMA31_SPECIAL_TOKENS, LLAMA31_TEMPLATE
 from gateway.templating import ChatTemplate
+from tests.gateway.chat_templates import LLAMA31_SPECIAL_TOKENS, LLAMA31_TEMPLATE
 
 
 @functools.cache

@@ -1,0 +1,54 @@
+"""What the OpenAI-shaped routes share: a prepared turn run to its end, and the pieces of a reply.
+
+`openai_api` (chat completions, completions), `streaming` (streamed chat completions) and `responses`
+all import from here and never from each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from gateway.generation import Generation, generate
+from gateway.turns import FinishedTurn, PreparedTurn, TurnService
+
+
+async def run_to_end(request: Request, prepared: PreparedTurn) -> tuple[Generation, FinishedTurn]:
+    """Non-streaming generation, then the durable store of the turn."""
+    state = request.app.state
+    gen = Generation()
+    async for _ in generate(
+        state.pool, session_id=prepared.auth.id, group_id=prepared.auth.group_id, prompt_ids=prepared.prompt_ids,
+        sampling=prepared.sampling, max_new_tokens=prepared.max_new_tokens, top_logprobs=prepared.req.top_logprobs,
+        stream=False, max_resubmits=state.settings.max_resubmits, out=gen,
+    ):
+        pass
+    turns: TurnService = state.turns
+    done = await turns.finish(prepared, gen)
+    return gen, done
+
+
+def logprobs_content(
+    turns: TurnService, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]
+) -> list[dict[str, Any]]:
+    """OpenAI's `logprobs.content` for generated ids (stop ids left out: they are not text)."""
+    out = []
+    for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
+        if tid in turns.stop_ids:
+            continue
+        text, raw = turns.token_text(tid)
+        entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": raw, "top_logprobs": []}
+        if i < len(tops) and tops[i]:
+            entry["top_logprobs"] = [
+                {"token": (tb := turns.token_text(cand))[0], "logprob": clp, "bytes": tb[1]} for cand, clp in tops[i]
+            ]
+        out.append(entry)
+    return out
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

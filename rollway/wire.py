@@ -1,0 +1,52 @@
+"""Wire format of token arrays: `{"dtype": "int32" | "float32" | "uint8", "b64": ...}`, little-endian.
+
+The gateway produces it (leases, docs/http-api.md "POST /v1/batches") and stores the same bytes (turn rows);
+the trainer decodes it with `decode_array`. It lives here, in the package that every install has, so that
+the trainer reads it without importing the gateway: the trainer reaches the gateway only over HTTP.
+Only the standard library here: the gateway carries no numpy/torch on its hot path.
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Literal, TypedDict
+
+Dtype = Literal["int32", "float32", "uint8"]
+_TYPECODE: dict[str, str] = {"int32": "i", "float32": "f", "uint8": "B"}
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+class WireArray(TypedDict):
+    dtype: Dtype
+    b64: str
+
+
+def pack(values: Sequence[int] | Sequence[float], dtype: Dtype) -> bytes:
+    """Little-endian bytes of `values` as `dtype`."""
+    arr = array(_TYPECODE[dtype], values)
+    if _BIG_ENDIAN and dtype != "uint8":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack(data: bytes, dtype: Dtype) -> list[int] | list[float]:
+    """Inverse of `pack`."""
+    arr = array(_TYPECODE[dtype])
+    arr.frombytes(data)
+    if _BIG_ENDIAN and dtype != "uint8":
+        arr.byteswap()
+    return arr.tolist()
+
+
+def encode_array(values: Sequence[int] | Sequence[float], dtype: Dtype) -> WireArray:
+    return {"dtype": dtype, "b64": base64.b64encode(pack(values, dtype)).decode("ascii")}
+
+
+def decode_array(obj: WireArray) -> list[int] | list[float]:
+    dtype = obj["dtype"]
+    if dtype not in _TYPECODE:
+        raise ValueError(f"unknown wire dtype {dtype!r}")
+    return unpack(base64.b64decode(obj["b64"]), dtype)
