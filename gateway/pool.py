@@ -52,6 +52,8 @@ class Backend:
     weight_version: str | None = None
     """Last version `update_all` loaded (or the `on_recover` hook set); None = unknown."""
     last_error: str | None = field(default=None, repr=False)
+    health_misses: int = 0
+    """Health probes failed in a row (reset by one that passes)."""
 
 
 class BackendPool:
@@ -66,6 +68,7 @@ class BackendPool:
         max_sticky: int = 200_000,
         on_recover: Callable[[Backend], Awaitable[None]] | None = None,
         client_options: dict[str, Any] | None = None,
+        health_misses: int = 3,
     ) -> None:
         self._session = session
         self._backends: dict[str, Backend] = {}
@@ -74,6 +77,10 @@ class BackendPool:
         self._max_sticky = max_sticky
         self.health_interval = health_interval
         self.affinity_slack = affinity_slack
+        # A busy server can miss a probe (a CPU engine under load answered /health in over 5 s and both
+        # were taken out at once): a probe takes a backend out only after this many misses in a row. A
+        # request that fails takes it out at once (`run_with_failover`), so a dead server is still caught fast.
+        self.health_misses = health_misses
         self._on_recover = on_recover
         self._client_options = client_options or {}
         self._health_task: asyncio.Task[None] | None = None
@@ -263,8 +270,12 @@ class BackendPool:
         back = []
         for backend, ok in zip(backends, results, strict=True):
             if not ok:
-                self.mark_failed(backend, "health check failed")
-            elif not backend.healthy and backend.id in self._backends:
+                backend.health_misses += 1
+                if backend.health_misses >= self.health_misses:
+                    self.mark_failed(backend, f"{backend.health_misses} health checks failed in a row")
+                continue
+            backend.health_misses = 0
+            if not backend.healthy and backend.id in self._backends:
                 back.append(backend)
         await asyncio.gather(*(self._recover(b) for b in back))
 

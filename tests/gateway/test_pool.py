@@ -198,7 +198,28 @@ async def test_health_loop_fails_and_brings_back_backends(
         await wait_for(lambda: not b.healthy)
     finally:
         await pool.stop()
-    assert b.last_error == "health check failed"
+    assert b.last_error == "3 health checks failed in a row"
+
+
+async def test_one_missed_probe_does_not_take_a_busy_backend_out(
+    http: aiohttp.ClientSession, fakes: list[FakeSGLang]
+) -> None:
+    """A probe that fails now and then (a server too busy to answer in time) keeps the backend in rotation;
+    `health_misses` failures in a row take it out."""
+    pool = BackendPool(http, health_misses=3)
+    a = pool.add(fakes[0].url, backend_id="a")
+    fakes[0].healthy = False
+    for _ in range(2):
+        await pool.check_health()
+        assert a.healthy
+    fakes[0].healthy = True
+    await pool.check_health()
+    assert a.healthy and a.health_misses == 0
+    fakes[0].healthy = False
+    for _ in range(3):
+        await pool.check_health()
+    assert not a.healthy
+    fakes[0].healthy = True
 
 
 async def test_a_backend_added_unhealthy_joins_after_a_health_check(
