@@ -132,3 +132,128 @@ def test_engine_killed_under_load_reaches_no_agent(tmp_path: Path, tiny_model_di
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = child.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent:
+                found.add(int(child.parent.name))
+                frontier.append(int(child.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+CHECKS = (
+    # every session's turn count agrees with its turns
+    "SELECT s.id FROM sessions s LEFT JOIN turns t ON t.session_id = s.id GROUP BY s.id, s.turn_count "
+    "HAVING s.turn_count <> COUNT(t.id)",
+    # no turn without its session
+    "SELECT t.id FROM turns t LEFT JOIN sessions s ON s.id = t.session_id WHERE s.id IS NULL",
+)
+
+
+def _integrity(db_url: str) -> None:
+    """SQLite's own integrity check; on both stores, the rows agree with each other (`CHECKS`)."""
+    if db_url.startswith("sqlite"):
+        import sqlite3
+
+        conn = sqlite3.connect(db_url.removeprefix("sqlite:///"))
+        try:
+            assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+            for q in CHECKS:
+                assert conn.execute(q).fetchall() == [], q
+        finally:
+            conn.close()
+        return
+    import asyncpg
+
+    async def check() -> None:
+        conn = await asyncpg.connect(db_url)
+        try:
+            for q in CHECKS:
+                assert await conn.fetch(q) == [], q
+        finally:
+            await conn.close()
+
+    asyncio.run(check())
+
+
+async def _load_then_kill(gateway: subprocess.Popen[bytes], sessions: list[dict[str, Any]], stats: dict[str, Any],
+                          calls: int) -> None:
+    """32 agents calling; once `calls` more calls were answered, SIGKILL the gateway with calls in flight."""
+    before = stats["stream_ok"] + stats["plain_ok"]
+    stop = asyncio.Event()
+    agents = [asyncio.create_task(_agent(c, i, stop, stats)) for i, c in enumerate(sessions)]
+    while stats["stream_ok"] + stats["plain_ok"] - before < calls:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    gateway.send_signal(signal.SIGKILL)
+    gateway.wait()
+    stop.set()
+    await asyncio.gather(*agents)
+
+
+def test_gateway_killed_under_load_loses_no_acknowledged_turn(tmp_path: Path, db_url: str) -> None:
+    data = tmp_path / "data"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "rollway.cli", "serve", "--port", str(port), "--data-dir", str(data), "--db", db_url]
+    log = (tmp_path / "gateway.log").open("ab")
+    acked_total = 0
+    for round_ in range(3):
+        gateway = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(url, gateway, timeout=180)
+            admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+            if round_ == 0:
+                group = admin.post("/v1/groups", json={"task": {"q": "kill"}, "n_samples": CLIENTS}).json()
+                stats: dict[str, Any] = {"stream_ok": 0, "plain_ok": 0, "errors": [],
+                                         "acked": {s["session_id"]: 0 for s in group["sessions"]}}
+            else:  # sessions continue after the restart: every one takes a new turn
+                for cred in group["sessions"]:
+                    client = openai.OpenAI(base_url=cred["base_url"], api_key=cred["api_key"], max_retries=0)
+                    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}],
+                                                   max_tokens=2)
+                    stats["acked"][cred["session_id"]] += 1
+            engine_pids = _descendants(gateway.pid)
+            assert engine_pids, "the embedded engine runs under the gateway"
+            stats["errors"] = []
+            asyncio.run(_load_then_kill(gateway, group["sessions"], stats, 150))
+            deadline = time.monotonic() + 10
+            while any(_alive(p) for p in engine_pids) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = [p for p in engine_pids if _alive(p)]
+            assert not left, f"processes of the killed gateway still running: {left}"
+        finally:
+            if gateway.poll() is None:
+                gateway.kill()
+                gateway.wait()
+        _integrity(db_url)
+        acked_total = sum(stats["acked"].values())
+    # After the last kill: restart once more and compare what the agents were told with what is stored.
+    gateway = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(url, gateway, timeout=180)
+        admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+        stored = {sid: len(admin.get(f"/v1/sessions/{sid}").json()["turns"]) for sid in stats["acked"]}
+    finally:
+        gateway.terminate()
+        gateway.wait(60)
+    print(f"\n{db_url.split(':')[0]}: 3 kill -9 rounds of the gateway under {CLIENTS} agents; acknowledged turns "
+          f"{acked_total}, stored {sum(stored.values())} (the rest were in flight when it died)")
+    for sid, n in stats["acked"].items():
+        assert stored[sid] >= n, (sid, n, stored[sid])
