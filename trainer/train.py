@@ -249,6 +249,14 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             plot_rewards(sink.jsonl_path, out / "rewards.png", cfg.eval_log or None)
 
 
+def setup_logging() -> None:
+    """INFO for the trainer's own lines. The gateway client's HTTP library only from WARNING up: httpx logs
+    every request at INFO, and a lease, renew or publish every few seconds is not worth a line."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     config_file = None
@@ -257,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         config_file = args[i + 1]
         del args[i : i + 2]
     cfg = load_config(config_file, parse_overrides(args))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     # SIGTERM (torchrun forwards it; `rollway demo` stops the trainer with it) unwinds like Ctrl-C, so the
     # metrics are flushed and the reward plot is written. Held leases simply expire back to the queue.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

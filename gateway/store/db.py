@@ -15,6 +15,7 @@ package and are found from the installed code.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -146,6 +147,14 @@ def create_engine(url: str, **kw: Any) -> DbEngine:
     return create_async_engine(async_url(url), **kw)
 
 
+def _quiet_alembic() -> None:
+    """Alembic logs at INFO on every use: each plugin it sets up, "Context impl SQLiteImpl.", "Will assume
+    non-transactional DDL." That is noise at every start of `rollway serve`; its warnings and errors still
+    show, and the revisions a migration applies are logged by migrations/env.py."""
+    for name in ("alembic.runtime.plugins", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _alembic_config(url: str) -> Any:
     from alembic.config import Config
 
@@ -175,12 +184,14 @@ def _in_thread(fn: Any, *args: Any) -> Any:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Bring the database at `url` to `revision` (Alembic)."""
+    _quiet_alembic()  # before alembic's imports: its plugins log as they are imported
     from alembic import command
 
     _in_thread(command.upgrade, _alembic_config(url), revision)
 
 
 def head_revision() -> str:
+    _quiet_alembic()
     from alembic.script import ScriptDirectory
 
     return str(ScriptDirectory.from_config(_alembic_config("sqlite://")).get_current_head())
@@ -190,6 +201,7 @@ def current_revision(url: str) -> str | None:
     """The revision the database is at (None for an empty database)."""
     import asyncio
 
+    _quiet_alembic()
     from alembic.runtime.migration import MigrationContext
 
     async def read() -> str | None:
