@@ -249,8 +249,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# Commands that write the store, the admin key and logs: the store holds session ids, and a session id alone
+# opens the keyless /sessions/{id}/v1/... URLs, so what they create is for this user only (0700 / 0600).
+PRIVATE_COMMANDS = ("serve", "demo", "db")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.command in PRIVATE_COMMANDS:
+        os.umask(0o077)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpx2", "httpcore", "openai"):  # one line per request is not a log

@@ -168,3 +168,16 @@ def test_rollout_and_train_read_the_data_dir_key(tmp_path: Path, monkeypatch: py
                  "--model", "m", "--out", str(tmp_path / "out")]) == 2
     assert os.environ["ROLLWAY_ADMIN_KEY"] == key
     assert "127.0.0.1:9" in capsys.readouterr().err
+
+
+# --- files: the data directory and the store are the user's alone ---
+
+
+def test_store_and_data_dir_are_private(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAY_")}
+    r = subprocess.run([sys.executable, "-m", "rollway.cli", "db", "upgrade", "--data-dir", str(tmp_path / "d")],
+                       env=env, capture_output=True, text=True, umask=0o022)
+    assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o700
+    for f in (tmp_path / "d").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
