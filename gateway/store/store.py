@@ -203,6 +203,8 @@ class Store:
         Returns the session's state after the call."""
         async with self.begin() as conn:
             sess = await self._session_for_update(conn, session_id)
+            if sess.state == "abandoned":  # nothing changes an abandoned session (docs/http-api.md, "Lifecycle")
+                raise Conflict(f"session {session_id} is abandoned; it takes no reward")
             gstate = (await conn.execute(select(G.c.state).where(G.c.id == sess.group_id))).scalar_one()
             locked = gstate in ("leased", "trained")
             if reward is not None:
@@ -244,15 +246,10 @@ class Store:
         assert state in ("finished", "abandoned")
         async with self.begin() as conn:
             sess = await self._session_for_update(conn, session_id)
-            if sess.state == state:
+            if sess.state == state:  # finishing twice (or abandoning twice) is a no-op
                 return state
-            if sess.state != "active":
-                if state == "abandoned" and sess.state == "finished":
-                    gstate = (await conn.execute(select(G.c.state).where(G.c.id == sess.group_id))).scalar_one()
-                    if gstate in ("leased", "trained"):
-                        raise Conflict(f"session {session_id} belongs to a {gstate} group")
-                else:
-                    raise Conflict(f"session {session_id} is already {sess.state}")
+            if sess.state != "active":  # a finished session can't be abandoned, nor an abandoned one finished
+                raise Conflict(f"session {session_id} is already {sess.state}")
             await conn.execute(
                 update(S).where(S.c.id == session_id).values(state=state, end_reason=reason, ended_at=time.time())
             )

@@ -303,3 +303,33 @@ def test_out_of_range_prompt_token_ids_are_refused(gateway: LiveGateway, cred: d
         r = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": ids, "max_tokens": 2},
                        headers={"Authorization": f"Bearer {cred['api_key']}"})
         bad_request(r, "prompt")
+
+
+# --- 9. the lifecycle after the end: one rule, on both stores ---
+
+
+def _post(gateway: LiveGateway, sid: str, action: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    return gateway.admin.post(f"/v1/sessions/{sid}/{action}", json=body or {})
+
+
+def test_nothing_changes_an_abandoned_session(gateway: LiveGateway) -> None:
+    sid = gateway.group(2)["sessions"][0]["session_id"]
+    assert _post(gateway, sid, "abandon", {"reason": "agent crashed"}).status_code == 200
+    assert _post(gateway, sid, "abandon").json()["state"] == "abandoned"  # abandoning twice: a no-op
+    for action, body in [("reward", {"reward": 1.0}), ("reward", {"reward": 1.0, "finish": True}), ("finish", None)]:
+        r = _post(gateway, sid, action, body)
+        assert r.status_code == 409 and "abandoned" in r.json()["error"]["message"], (action, r.text)
+    s = gateway.session(sid)
+    assert s["state"] == "abandoned" and s["reward"] is None
+
+
+def test_a_finished_session_cannot_be_abandoned(gateway: LiveGateway) -> None:
+    sid = gateway.group(2)["sessions"][0]["session_id"]
+    assert _post(gateway, sid, "reward", {"reward": 1.0, "finish": True}).json()["state"] == "finished"
+    assert _post(gateway, sid, "finish").json()["state"] == "finished"  # finish is idempotent
+    r = _post(gateway, sid, "abandon", {"reason": "late"})
+    assert r.status_code == 409 and "finished" in r.json()["error"]["message"]
+    # its reward may still be overwritten until the group is leased
+    assert _post(gateway, sid, "reward", {"reward": 0.5}).status_code == 200
+    s = gateway.session(sid)
+    assert s["state"] == "finished" and s["reward"] == 0.5
