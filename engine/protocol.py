@@ -1,4 +1,4 @@
-"""The /generate wire format: request parsing and response building, as in sglang-contract.md.
+"""The /generate wire format: request parsing and response building, as in docs/sglang-contract.md.
 
 `parse_generate` turns a request body into one `GenerateSpec` per generation (a batch of prompts or
 `n > 1` gives several); `Result` accumulates the scheduler's deltas for one generation and renders the

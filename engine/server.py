@@ -1,4 +1,4 @@
-"""The engine's HTTP server: SGLang's native API (sglang-contract.md) on top of the batching scheduler.
+"""The engine's HTTP server: SGLang's native API (docs/sglang-contract.md) on top of the batching scheduler.
 
 `create_app(model_dir)` loads the model and tokenizer and returns a FastAPI app; the model thread
 starts with the app's lifespan (or on the first request, for transports that skip the lifespan).

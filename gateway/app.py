@@ -63,7 +63,7 @@ def config_context_length(tokenizer_dir: str) -> int | None:
 
 
 async def detect_context_length(pool: BackendPool, settings: Settings) -> int:
-    """Backend's /server_info, else the model's config.json, else --context-length (design)."""
+    """Backend's /server_info, else the model's config.json, else --context-length (docs/architecture.md)."""
     for backend in pool.backends():
         with contextlib.suppress(BackendError):  # an unreachable backend just doesn't tell us
             info = await backend.client.server_info()

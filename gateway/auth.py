@@ -1,6 +1,6 @@
 """Who is calling: an admin (bearer = admin key) or one session (its key, or its id in the path).
 
-Status map (design "Auth and URLs"): missing or unknown key -> 401; a valid key on another session's or
+Status map (docs/http-api.md "Auth"): missing or unknown key -> 401; a valid key on another session's or
 an admin-only resource -> 403; unknown id -> 404; an ended session -> 409 (checked by the callers).
 """
 

@@ -1,4 +1,4 @@
-"""Which earlier turn a new chat request extends (design "Contract details": Continuity).
+"""Which earlier turn a new chat request extends (docs/architecture.md "Continuity and chains").
 
 Agents replay the conversation with every call, but rarely byte for byte: clients drop `null` fields,
 reorder keys, re-serialise tool-call arguments, send text as content parts, and drop `reasoning_content`

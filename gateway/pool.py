@@ -2,7 +2,7 @@
 
 Routing, in `pick`:
 1. A session stays on the backend it used last while that backend is healthy (its prefix cache holds
-   the session's earlier turns; lessons.md "Serving many agents").
+   the session's earlier turns; docs/architecture.md "Backends and routing").
 2. A new session of a group goes where the group's first session went (the siblings share the task
    prompt, slime#1469) unless that backend has more than `affinity_slack` requests in flight above the
    least-loaded one.

@@ -1,4 +1,4 @@
-"""Training samples from stored turns (the wire format of design "Leases and samples").
+"""Training samples from stored turns (docs/architecture.md "Leases and training samples").
 
 Per session, turns that extend each other form one sequence: the leaves of the session's turn tree are
 its sequences, and each turn's completion carries loss mask 1 in exactly one of them (the first leaf that
@@ -72,7 +72,8 @@ def session_sequences(rows: list[TurnRow], session_reward: float | None, gamma: 
             delta: list[int] = unpack(turn.prompt_ids, "int32")  # type: ignore[assignment]
             completion: list[int] = unpack(turn.completion_ids, "int32")  # type: ignore[assignment]
             n = len(completion)
-            # A client-disconnected partial is trained only when a later turn extends it (design).
+            # A client-disconnected partial is trained only when a later turn extends it
+            # (docs/architecture.md "Leases and training samples").
             learn = turn.id not in trained and (not turn.client_disconnected or i < len(chain) - 1)
             trained.add(turn.id)
             seq.token_ids += delta + completion

@@ -1,12 +1,13 @@
 """Chat template + tokenizer: prompt ids for a request, and the exact ids that extend a session's chain.
 
 The gateway renders and tokenizes itself, and a later turn of a session reuses the parent's prompt +
-completion ids verbatim, tokenizing only what is new (lessons "Tokens": retokenization drift). The new
-part is found by rendering text: the conversation with the new messages must render to the parent's
-conversation followed by more text ("prefix stable"); the ids of that extra text, after the "bridge"
-the template puts between the end-of-turn token and the next message (ChatML's "\\n", which the model
-never generates; verl#6921 lost it), are the extension. Templates that rewrite history (strip old
-reasoning, add date lines) are not prefix stable there; the caller then starts a new chain.
+completion ids verbatim, tokenizing only what is new (docs/architecture.md "Continuity and chains":
+retokenization drift). The new part is found by rendering text: the conversation with the new messages
+must render to the parent's conversation followed by more text ("prefix stable"); the ids of that extra
+text, after the "bridge" the template puts between the end-of-turn token and the next message (ChatML's
+"\\n", which the model never generates; verl#6921 lost it), are the extension. Templates that rewrite
+history (strip old reasoning, add date lines) are not prefix stable there; the caller then starts a new
+chain.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ class TurnService:
             params["stop"] = req.stop
         if req.json_schema is not None:
             params["json_schema"] = req.json_schema
-        # Behaviour logprobs of greedy decoding are reported at T = 1 (sglang-contract).
+        # Behaviour logprobs of greedy decoding are reported at T = 1 (docs/sglang-contract.md "Logprobs").
         return params, temperature if temperature > 0 else 1.0
 
     # --- after generation ------------------------------------------------------------------------
@@ -257,7 +257,7 @@ class TurnService:
 
 
 def require_tools_supported(tool_choice: Any, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """tool_choice is honoured or refused, never ignored (design "Model name and sampling")."""
+    """tool_choice is honoured or refused, never ignored (docs/architecture.md "Sampling")."""
     if tool_choice is None or tool_choice == "auto":
         return tools
     if tool_choice == "none":

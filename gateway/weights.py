@@ -1,4 +1,5 @@
-"""Weight publishing and staleness admission (design steps 5-6).
+"""Weight publishing and staleness admission (docs/architecture.md: "Publishing weights",
+"Staleness admission").
 
 Publish: pause every backend (abort mode), load the new weights with their version, continue; the
 generation loop resubmits each interrupted reply with its partial tokens (gateway.generation), so no
@@ -75,7 +76,8 @@ class Publisher:
 
 
 class Admission:
-    """Staleness control: refuse a new training group once (η + v + 1)·B groups count (design)."""
+    """Staleness control: refuse a new training group once (η + v + 1)·B groups count
+    (docs/architecture.md "Staleness admission")."""
 
     def __init__(self, leases: Leases, settings: Settings, metrics: Metrics) -> None:
         self.leases = leases

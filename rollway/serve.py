@@ -11,7 +11,8 @@ from rollway.embedded import admin_key, engine_process, ensure_tiny_model
 
 
 def prepare_database(url: str) -> None:
-    """SQLite: bring the embedded file to head. PostgreSQL: refuse to start when behind (design)."""
+    """SQLite: bring the embedded file to head. PostgreSQL: refuse to start when behind (docs/architecture.md
+    "The store")."""
     from gateway.store import db
 
     if db.is_sqlite(url):

@@ -44,7 +44,8 @@ class GatewayHTTPError(GatewayClientError):
 
 @dataclass
 class Sample:
-    """One sequence of a session (design.md "Training sample"); all arrays have the same length."""
+    """One sequence of a session (docs/architecture.md "Leases and training samples"); all arrays have the
+    same length."""
 
     group_id: str
     session_id: str

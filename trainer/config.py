@@ -44,7 +44,7 @@ class TrainConfig:
     dist_timeout: float = 1800.0
     """Seconds a collective may wait before the process group fails (gloo and NCCL)."""
 
-    # --- leasing (see design.md "Leases and samples" and "Staleness admission") ---
+    # --- leasing (docs/architecture.md "Leases and training samples" and "Staleness admission") ---
     groups_per_step: int = 8
     """Groups trained per step (B). Filtered groups are replaced by leasing more (AReaL#450)."""
     lease_seconds: float = 300.0

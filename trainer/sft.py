@@ -48,7 +48,8 @@ def end_of_turn_ids(tokenizer: Any) -> set[int]:
 def chat_row(tokenizer: Any, messages: list[dict[str, Any]], tools: Any = None) -> Row:
     """Token ids of the whole chat with loss_mask = 1 on what the model would generate for each assistant
     message: its tokens up to and including the end-of-turn token. The template's bridge after it (a
-    newline before the next message) stays 0, as in the gateway's recorded samples (lessons.md)."""
+    newline before the next message) stays 0, as in the gateway's recorded samples (docs/architecture.md
+    "Continuity and chains")."""
     eot = end_of_turn_ids(tokenizer)
     full = _ids(tokenizer, messages, tools, False)
     mask = [0] * len(full)
@@ -83,9 +84,10 @@ def rows_from_jsonl(path: str | Path, tokenizer: Any) -> list[Row]:
 
 
 def session_rows(session: dict[str, Any]) -> list[Row]:
-    """One row per chain of a recorded session (design.md "Continuity"): the exact ids of its last turn,
-    prompt + completion, with loss_mask = 1 on the completion of every turn in the chain (a turn whose
-    client disconnected trains nothing). No retokenization: these are the ids the model produced."""
+    """One row per chain of a recorded session (docs/architecture.md "Continuity and chains"): the exact ids
+    of its last turn, prompt + completion, with loss_mask = 1 on the completion of every turn in the chain
+    (a turn whose client disconnected trains nothing). No retokenization: these are the ids the model
+    produced."""
     turns = {t["id"]: t for t in session.get("turns") or []}
     parents = {t.get("parent_id") for t in turns.values()}
     rows = []

@@ -90,7 +90,7 @@ def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, vers
             out.leases.setdefault(lease.batch_id, []).append(group.group_id)
             out.staleness += [version - v for s in scored.samples for v in s.versions if v >= 0]
         out.filtered += len(filtered)
-        if filtered:  # frees their admission slots now, so refill groups can start (design.md)
+        if filtered:  # frees their admission slots now, so refill groups can start (docs/architecture.md)
             client.ack(lease.batch_id, filtered)
         if lease.batch_id not in out.leases:
             renewer.release(lease.batch_id)

@@ -6,10 +6,10 @@ the same async interface. A SQLite statement on a local file takes tens of micro
 thread hops per statement of an async driver (aiosqlite: measured ~35% of the gateway's CPU in the demo,
 57 context switches a request). What makes that safe: this process's writers queue on the store's asyncio
 lock (never two write transactions here at once), WAL readers never wait for a writer, and no fsync happens
-on commit (WAL + synchronous=NORMAL, which survives kill -9 of the gateway: design, "Durability"). The
-cost: a writer of *another* process holding the lock stalls this loop (up to busy_timeout), so SQLite is
-for one gateway process; several gateways share PostgreSQL. Alembic revisions live in the `migrations`
-package and are found from the installed code.
+on commit (WAL + synchronous=NORMAL, which survives kill -9 of the gateway: docs/architecture.md
+"Durability"). The cost: a writer of *another* process holding the lock stalls this loop (up to
+busy_timeout), so SQLite is for one gateway process; several gateways share PostgreSQL. Alembic revisions
+live in the `migrations` package and are found from the installed code.
 """
 
 from __future__ import annotations

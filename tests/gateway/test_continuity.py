@@ -1,4 +1,5 @@
-"""Message equality and the choice of a new turn's parent (design "Continuity"; pure, no tokenizer)."""
+"""Message equality and the choice of a new turn's parent (docs/architecture.md "Continuity and chains";
+pure, no tokenizer)."""
 
 from __future__ import annotations
 
