@@ -67,7 +67,7 @@ def _operations() -> dict[tuple[str, str], Operation]:
     from gateway.routes.training import AckBody, LeaseBody, PublishBody, RenewBody
 
     sessions_query = (
-        Query("state", {"type": "string", "enum": ["open", "finished", "abandoned"]}, "only sessions in this state"),
+        Query("state", {"type": "string", "enum": ["active", "finished", "abandoned"]}, "only sessions in this state"),
         Query("since", {"type": "number"}, "only sessions created at or after this time (epoch seconds)"),
         Query("limit", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}, "page size"),
         Query("after", {"type": "string"}, "cursor: the `next_after` of the previous page"),
