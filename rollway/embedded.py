@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+
+# Loopback health checks never go through an HTTP proxy named in the environment (http_proxy without no_proxy
+# would send them to the proxy, which cannot reach our 127.0.0.1).
+_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def free_port() -> int:
@@ -27,7 +33,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout: float 
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process for {url} exited with code {proc.returncode} before it was ready")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            with _direct.open(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -55,7 +61,10 @@ def engine_process(model_dir: Path, *, port: int | None = None, log_path: Path |
     cmd = [sys.executable, "-m", "rollway.cli", "engine", "--model", str(model_dir), "--port", str(port),
            *(extra or [])]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # SIGKILL when we die: the engine holds no state worth a graceful stop, and nothing else would stop it
+    # when the gateway is killed outright (its own cleanup never runs then).
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_environment(os.environ),
+                            preexec_fn=die_with_parent(signal.SIGKILL))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
@@ -64,6 +73,51 @@ def engine_process(model_dir: Path, *, port: int | None = None, log_path: Path |
         stop(proc)
         if log_path:
             log.close()  # type: ignore[union-attr]
+
+
+# What the engine child inherits: the interpreter's, the libraries' (threads, Hugging Face, torch, CUDA) and
+# the system's variables. Nothing else: the gateway's admin key and any other credential in our environment
+# is no business of a process that serves tokens.
+ENGINE_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "TEMP", "TMP",
+    "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV", "CONDA_PREFIX", "SYSTEMROOT", "ROLLWAY_LOG_LEVEL",
+})
+ENGINE_ENV_PREFIXES = ("LC_", "PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_", "HF_", "HUGGINGFACE_",
+                       "TRANSFORMERS_", "TOKENIZERS_", "SAFETENSORS_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_",
+                       "XDG_", "COVERAGE_")
+_CREDENTIAL_WORDS = frozenset({"KEY", "KEYS", "TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD",
+                               "CREDENTIAL", "CREDENTIALS", "AUTH"})
+
+
+def engine_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of `env` the engine child gets (ENGINE_ENV_NAMES, ENGINE_ENV_PREFIXES), less any variable whose
+    name says it holds a credential (HF_TOKEN: the engine loads a local folder and never downloads)."""
+    return {k: v for k, v in env.items()
+            if (k in ENGINE_ENV_NAMES or k.startswith(ENGINE_ENV_PREFIXES))
+            and _CREDENTIAL_WORDS.isdisjoint(k.upper().split("_"))}  # HF_TOKEN, not TOKENIZERS_PARALLELISM
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(sig: int) -> Callable[[], None] | None:
+    """A `preexec_fn` that makes Linux send `sig` to the child when this process dies, however it dies: a
+    SIGKILL runs none of our cleanup, and the child would be re-parented to PID 1 and live on. None where
+    there is no prctl (the child then outlives a killed parent, as before).
+
+    Linux ties the signal to the thread that starts the child: start it from a thread that lives as long as
+    the child should (the main thread, in our commands)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect: nobody will send it
+            os.kill(os.getpid(), sig)
+
+    return preexec
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:

@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import json
+import signal
+import socket
 import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 
 from rollway.embedded import admin_key, engine_process, ensure_tiny_model
+
+READY_WAIT_S = 10.0
+"""How long after the gateway first answers a backend may take to become healthy before `rollway serve` warns."""
 
 
 def prepare_database(url: str) -> None:
@@ -24,6 +37,75 @@ def prepare_database(url: str) -> None:
                          f"run `rollway db upgrade --db {url}`")
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The gateway's socket, bound before anything else starts (engine, migrations, key file): a port in use
+    fails the command at once, with the port named. Bound as uvicorn binds (same family choice, SO_REUSEADDR so
+    a restart needs no wait for TIME_WAIT), and not listening yet: until the app is up a client is refused
+    rather than left waiting in the backlog. uvicorn listens on it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise SystemExit(f"rollway serve: port {port} on {host} is already in use; stop what listens there "
+                             f"or pick another port (--port, env ROLLWAY_PORT)") from None
+        raise SystemExit(f"rollway serve: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def local_url(host: str, port: int) -> str:
+    """How this machine reaches a gateway bound to host:port (a wildcard address through loopback)."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own loopback: never via a proxy
+
+
+def readiness(url: str) -> tuple[int, str]:
+    """(status of GET url/ready, its reason); status 0 while the gateway does not answer at all."""
+    try:
+        with _direct.open(f"{url}/ready", timeout=10) as r:
+            return r.status, ""
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, str(json.loads(e.read()).get("reason", e.reason))
+        except (ValueError, AttributeError, OSError):
+            return e.code, str(e.reason)
+    except (urllib.error.URLError, OSError):
+        return 0, "the gateway does not answer yet"
+
+
+def announce_readiness(url: str, backends: Sequence[str], wait_s: float = READY_WAIT_S) -> None:
+    """Say when the gateway is ready to serve agents (GET /ready answers 200). If no backend is healthy within
+    `wait_s` of the gateway answering, say so plainly, naming the backends, and keep watching: the gateway
+    serves on (liveness, admin routes) and says ready once a backend answers."""
+    deadline: float | None = None
+    warned = False
+    while True:
+        status, reason = readiness(url)
+        if status == 200:
+            print(f"rollway serve: ready at {url} (GET /ready answers 200)", file=sys.stderr, flush=True)
+            return
+        if status and deadline is None:
+            deadline = time.monotonic() + wait_s
+        if deadline is not None and not warned and time.monotonic() >= deadline:
+            print(f"rollway serve: WARNING: not ready {wait_s:.0f}s after start: {reason}. Backend(s): "
+                  f"{', '.join(backends) or 'none (add one with POST /v1/backends)'}. The gateway keeps serving "
+                  "and GET /ready answers 503 until a backend answers GET /health.", file=sys.stderr, flush=True)
+            warned = True
+        time.sleep(2.0 if warned else 0.25)
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -34,25 +116,37 @@ def serve(args: argparse.Namespace) -> int:
     # One precedence: a flag given on the command line > ROLLWAY_* environment > Settings' default.
     settings = Settings(**settings_from_args(args))
     data_dir = settings.data_dir
+    # Everything that can be refused is refused before anything is written or started.
     if not settings.is_loopback and not settings.admin_key:
         raise SystemExit(f"refusing to bind {settings.host} without ROLLWAY_ADMIN_KEY set explicitly")
     if settings.model and settings.backends:
         raise SystemExit("--model is for the embedded CPU engine; with --backend, give --tokenizer DIR instead")
-    key, generated = admin_key(data_dir)
-    if generated:
-        print(f"admin key (stored in {data_dir / 'admin_key'}; shown once): {key}", file=sys.stderr)
-    prepare_database(settings.db_url)
+    if settings.backends and not settings.tokenizer:
+        raise SystemExit("--tokenizer DIR is required with --backend (the gateway tokenizes itself)")
+    sock = listen_socket(settings.host, settings.port)
+    # SIGTERM unwinds like Ctrl-C, so the embedded engine is stopped on the way out. (uvicorn handles SIGTERM
+    # while it serves, then raises it again once it has shut down: with the default action the process died
+    # right there and the engine was left running.)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     with contextlib.ExitStack() as stack:
+        stack.callback(sock.close)
+        key, generated = admin_key(data_dir)
+        if generated:
+            print(f"admin key (stored in {data_dir / 'admin_key'}; shown once): {key}", file=sys.stderr)
+        prepare_database(settings.db_url)
         if not settings.backends:
             model = Path(settings.model) if settings.model else ensure_tiny_model(data_dir)
             url = stack.enter_context(engine_process(model, log_path=data_dir / "engine.log"))
             settings = settings.model_copy(update={"backends": [url], "tokenizer": settings.tokenizer or str(model)})
             print(f"embedded CPU engine at {url} serving {model}", file=sys.stderr)
-        elif not settings.tokenizer:
-            raise SystemExit("--tokenizer DIR is required with --backend (the gateway tokenizes itself)")
         app = create_app(settings, admin_key=key)
         print(f"gateway on http://{settings.host}:{settings.port}  (agents: POST /v1/groups for keys)",
               file=sys.stderr)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                    loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, loop="uvloop",
+                                               http="httptools", timeout_graceful_shutdown=5))
+        threading.Thread(target=announce_readiness, args=(local_url(settings.host, settings.port), settings.backends),
+                         name="readiness", daemon=True).start()
+        server.run(sockets=[sock])
+        if not server.started:  # the app failed to start; uvicorn logged why
+            return 3
     return 0

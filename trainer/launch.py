@@ -11,10 +11,15 @@ environment (`ROLLWAY_ADMIN_KEY`), never in the written config.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from types import FrameType
 
+from rollway.embedded import die_with_parent
 from trainer.client import GatewayClient
 from trainer.config import TrainConfig, load_config, parse_overrides
 
@@ -70,17 +75,59 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollway train: {e}", file=sys.stderr)
         return 2
     print(f"rollway train: {nproc} process(es); config in {cfg.out}/config.json", file=sys.stderr)
-    proc = subprocess.Popen(cmd, env=env)
+    # torchrun gets SIGTERM when this process dies, however it dies (a SIGKILL runs none of the handling
+    # below): it then stops its workers, which would otherwise keep leasing groups as orphans.
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent(signal.SIGTERM))
+    return wait_stopping_on_signals(proc)
+
+
+def wait_stopping_on_signals(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> int:
+    """Wait for torchrun; on SIGTERM or SIGINT stop it first (SIGTERM: it forwards it to its workers and waits
+    for them; SIGKILL after `grace_s`), then let the signal do what it did before: the default action of
+    SIGTERM ends this process by it, SIGINT raises KeyboardInterrupt, a caller's handler (`rollway demo`'s)
+    runs. Without a handler here, a SIGTERM ended this process at once and left torchrun and its workers
+    running, re-parented to PID 1. Handlers can only be set from the main thread; elsewhere this just waits."""
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if not received:
+            received.append(signum)
+            if proc.poll() is None:
+                proc.terminate()
+
+    handled = (signal.SIGTERM, signal.SIGINT)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, on_signal) for s in handled} if main_thread else {}
     try:
-        return proc.wait()
-    except BaseException:  # Ctrl-C, or SIGTERM turned into SystemExit by the caller: never leave torchrun behind
-        proc.terminate()  # torchrun forwards it to its workers
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        deadline: float | None = None
+        while True:
+            try:
+                return_code = proc.wait(timeout=0.5)  # short waits: a signal sets `received` meanwhile
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if received and deadline is None:
+                deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                proc.kill()
+                return_code = proc.wait()
+                break
+    except BaseException:  # an exception from elsewhere (a caller's timer, say): never leave torchrun behind
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         raise
+    finally:
+        for s, handler in previous.items():
+            if handler is not None:  # None: set outside Python, cannot be restored from here
+                signal.signal(s, handler)
+    if received:
+        signal.raise_signal(received[0])
+    return return_code
 
 
 if __name__ == "__main__":

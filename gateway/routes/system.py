@@ -1,6 +1,8 @@
-"""Liveness and Prometheus metrics (no auth: they carry no secrets)."""
+"""Liveness, readiness and Prometheus metrics (no auth: they carry no secrets)."""
 
 from __future__ import annotations
+
+import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -12,9 +14,41 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> Response:
+    """Liveness: the process serves HTTP. 200 whatever the backends do (see /ready)."""
     pool = request.app.state.pool
     healthy = sum(1 for b in pool.backends() if b.healthy)
     return json_response({"status": "ok", "backends_healthy": healthy, "backends": len(pool.backends())})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> Response:
+    """Readiness, for a load balancer or a compose healthcheck: 200 `{"ready": true, ...}` while at least one
+    backend takes traffic, 503 `{"ready": false, "reason": ...}` otherwise.
+
+    A backend counts when the pool routes to it and it has answered GET /health since it joined. The pool
+    routes to the backends given at start before its first health round, so one not yet seen answering is
+    probed here; after that the pool's health loop is the judge. Backend URLs stay out of the answer (it is
+    served without a key); GET /v1/backends lists them with their last error."""
+    pool = request.app.state.pool
+    backends = pool.backends()
+    seen: set[str] | None = getattr(request.app.state, "ready_backends_seen", None)
+    if seen is None:
+        seen = request.app.state.ready_backends_seen = set()
+    routed = [b for b in backends if b.healthy]
+    unseen = [b for b in routed if b.id not in seen]
+    for backend, ok in zip(unseen, await asyncio.gather(*(b.client.health() for b in unseen)), strict=True):
+        if ok:
+            seen.add(backend.id)
+    healthy = sum(1 for b in routed if b.id in seen)
+    body: dict[str, object] = {"ready": healthy > 0, "backends_healthy": healthy, "backends": len(backends)}
+    if healthy:
+        return json_response(body)
+    if not backends:
+        body["reason"] = "no backend: start with --backend URL (or ROLLWAY_BACKENDS), or add one with POST /v1/backends"
+    else:
+        body["reason"] = (f"no healthy backend: none of {len(backends)} answers GET /health "
+                          "(GET /v1/backends lists them with their last error)")
+    return json_response(body, 503)
 
 
 @router.get("/metrics")
