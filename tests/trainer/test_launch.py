@@ -51,7 +51,7 @@ def test_bad_option_or_gateway_fails_before_torchrun(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["--gateway", "http://gw", "--model", "m", "--out", str(tmp_path), "--lr-max", "1"]) == 2
-    assert "unknown option 'lr-max'" in capsys.readouterr().err
+    assert "unknown option --lr-max" in capsys.readouterr().err
     url = f"http://127.0.0.1:{free_port()}"
     assert main(["--gateway", url, "--model", "m", "--out", str(tmp_path)]) == 2
     assert f"gateway {url} unreachable" in capsys.readouterr().err
