@@ -14,6 +14,8 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
+import time
 from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -339,8 +341,39 @@ def test_healthchecks_probe_the_ports_served(config: tuple[str, dict[str, Any]])
     sglang_port = flag(argv_of(svcs["sglang"]), "--port")
     gateway_port = flag(argv_of(svcs["gateway"]), "--port")
     assert f"127.0.0.1:{sglang_port}/health" in " ".join(svcs["sglang"]["healthcheck"]["test"])
-    assert f"127.0.0.1:{gateway_port}/health" in " ".join(svcs["gateway"]["healthcheck"]["test"])
+    # Services that wait for a healthy gateway need one that can serve agents: readiness, not liveness.
+    assert [s for s, svc in svcs.items() if svc.get("depends_on", {}).get("gateway")] == ["trainer", "runner"]
+    assert f"127.0.0.1:{gateway_port}/ready" in " ".join(svcs["gateway"]["healthcheck"]["test"])
     assert "pg_isready" in svcs["postgres"]["healthcheck"]["test"]
+
+
+def test_gateway_healthcheck_passes_only_while_ready(config: tuple[str, dict[str, Any]], tiny_model_dir: Path,
+                                                      sqlite_url: str) -> None:
+    """The gateway's healthcheck command itself, run against a real gateway on another port: it fails while
+    no backend answers (GET /ready is 503) and passes once one does."""
+    from tests.fakes.sglang import FakeSGLang
+    from tests.harness import LiveGateway
+
+    _, doc = config
+    gateway = doc["services"]["gateway"]
+    test, port = gateway["healthcheck"]["test"], flag(argv_of(gateway), "--port")
+    assert test[:3] == ["CMD", "python", "-c"] and len(test) == 4, test
+    code = test[3]
+    assert f"127.0.0.1:{port}/" in code
+    with FakeSGLang() as fake, LiveGateway(backends=[fake.url], tokenizer=str(tiny_model_dir), db=sqlite_url,
+                                           health_interval_s=0.2) as gw:
+
+        def probe() -> int:
+            here = code.replace(f"127.0.0.1:{port}", f"127.0.0.1:{gw.port}")
+            return subprocess.run([sys.executable, "-c", here], capture_output=True, timeout=30).returncode
+
+        assert probe() == 0
+        fake.healthy = False
+        deadline = time.monotonic() + 10
+        while gw.admin.get("/ready").status_code != 503:
+            assert time.monotonic() < deadline, "the backend never left rotation"
+            time.sleep(0.1)
+        assert probe() != 0
 
 
 def test_named_volumes_are_declared_and_used(config: tuple[str, dict[str, Any]]) -> None:
@@ -460,7 +493,7 @@ def test_services_point_at_each_other(config: tuple[str, dict[str, Any]], parser
     env = stack_env()
     sg = argv_of(svcs["sglang"])
     gw = parser.parse_args(rollway_argv(svcs["gateway"]))
-    assert gw.backend == [f"http://sglang:{flag(sg, '--port')}"]
+    assert gw.backends == [f"http://sglang:{flag(sg, '--port')}"]
     assert gw.host == "0.0.0.0"
     assert gw.tokenizer == env["MODEL_PATH"]
     assert gw.db.startswith("postgresql://rollway:") and "@postgres:5432/rollway" in gw.db
