@@ -135,13 +135,6 @@ def _setting(parser: argparse.ArgumentParser, flag: str, field: str, **kw: Any) 
     parser.add_argument(flag, dest=field, default=argparse.SUPPRESS, **kw)
 
 
-def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The Settings fields given on the command line (the rest come from ROLLWAY_* or the defaults)."""
-    from gateway.settings import Settings
-
-    return {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rollway",

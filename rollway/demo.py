@@ -24,7 +24,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rollway.embedded import admin_key, engine_process, free_port, stop, wait_healthy
+from rollway.embedded import engine_process, free_port, stop, wait_healthy
+from rollway.keys import admin_key
 from rollway.paths import agent_file
 from rollway.rollout import Runner, append_line, load_agent, load_tasks, run_eval
 

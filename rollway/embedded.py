@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -128,19 +127,3 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def admin_key(data_dir: Path) -> tuple[str, bool]:
-    """ROLLWAY_ADMIN_KEY, else the key stored in data_dir (generated once). Returns (key, newly_generated)."""
-    env = os.environ.get("ROLLWAY_ADMIN_KEY")
-    if env:
-        return env, False
-    path = data_dir / "admin_key"
-    if path.is_file():
-        return path.read_text().strip(), False
-    data_dir.mkdir(parents=True, exist_ok=True)
-    key = "rw-admin-" + secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
-    return key, True

@@ -41,3 +41,16 @@ def admin_key(data_dir: str | Path) -> tuple[str, bool]:
 def missing_key_message(data_dir: str | Path) -> str:
     return (f"no admin key: set {ENV}, or point --data-dir at the gateway's data folder "
             f"(looked for {Path(data_dir) / FILE})")
+
+
+def private_data_dir(data_dir: str | Path, db_url: str) -> None:
+    """A data directory (and an SQLite store) made before files were created private: for this user only.
+    The store holds session ids, which open the keyless /sessions/{id}/v1/... URLs."""
+    data_dir = Path(data_dir)
+    if data_dir.is_dir() and data_dir.stat().st_uid == os.getuid():
+        data_dir.chmod(0o700)
+    if db_url.startswith("sqlite:///"):
+        db = Path(db_url.removeprefix("sqlite:///"))
+        for path in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+            if path.is_file() and path.stat().st_uid == os.getuid():
+                path.chmod(0o600)

@@ -16,8 +16,10 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
-from rollway.embedded import admin_key, engine_process, ensure_tiny_model
+from rollway.embedded import engine_process, ensure_tiny_model
+from rollway.keys import admin_key, private_data_dir
 
 READY_WAIT_S = 10.0
 """How long after the gateway first answers a backend may take to become healthy before `rollway serve` warns."""
@@ -106,13 +108,19 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The Settings fields given on the command line (`rollway.cli` leaves the others out of the namespace,
+    so they come from ROLLWAY_* or the defaults)."""
+    from gateway.settings import Settings
+
+    return {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
     from gateway.settings import Settings
-    from rollway.cli import settings_from_args
-
     # One precedence: a flag given on the command line > ROLLWAY_* environment > Settings' default.
     settings = Settings(**settings_from_args(args))
     data_dir = settings.data_dir
@@ -131,6 +139,7 @@ def serve(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         stack.callback(sock.close)
         key, generated = admin_key(data_dir)
+        private_data_dir(data_dir, settings.db_url)
         if generated:
             print(f"admin key (stored in {data_dir / 'admin_key'}; shown once): {key}", file=sys.stderr)
         prepare_database(settings.db_url)

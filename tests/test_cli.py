@@ -14,9 +14,10 @@ import httpx
 import pytest
 
 from gateway.settings import Settings
-from rollway.cli import main, parse_args, settings_from_args
+from rollway.cli import main, parse_args
 from rollway.embedded import free_port
 from rollway.keys import admin_key, find_admin_key
+from rollway.serve import settings_from_args
 from trainer.config import load_config, parse_overrides
 
 # --- rollway serve: flag > environment > default ---
@@ -181,3 +182,17 @@ def test_store_and_data_dir_are_private(tmp_path: Path) -> None:
     assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o700
     for f in (tmp_path / "d").iterdir():
         assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+def test_serve_makes_an_existing_data_dir_private(tmp_path: Path) -> None:
+    """A data dir and store left world-readable (by an older version, or by hand) are closed at start."""
+    from rollway.keys import private_data_dir
+
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    for name in ("rollway.db", "rollway.db-wal"):
+        (data / name).write_bytes(b"")
+        (data / name).chmod(0o644)
+    private_data_dir(data, f"sqlite:///{data / 'rollway.db'}")
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert {stat.S_IMODE((data / n).stat().st_mode) for n in ("rollway.db", "rollway.db-wal")} == {0o600}
