@@ -101,6 +101,18 @@ class Tree:
                 return living
             time.sleep(0.2)
 
+    def watch(self, timeout: float, interval: float = 0.05) -> dict[int, float]:
+        """Watch the recorded descendants alive now until all are gone (or `timeout` seconds); returns pid ->
+        when (time.monotonic) each was first seen gone, for tests of the order in which things stop."""
+        watched = [p for p in self.seen.values() if alive(p)]
+        gone: dict[int, float] = {}
+        deadline = time.monotonic() + timeout
+        while len(gone) < len(watched) and time.monotonic() < deadline:
+            now = time.monotonic()
+            gone.update((p.pid, now) for p in watched if p.pid not in gone and not alive(p))
+            time.sleep(interval)
+        return gone
+
     def kill_all(self) -> None:
         """Cleanup after a failed test: SIGKILL whatever recorded descendant is still running."""
         for p in self.seen.values():
