@@ -25,7 +25,7 @@ check() {  # $1: the venv's bin folder, $2: a name for the log lines
   echo "--- [$name] rollway demo (short: 300 SFT steps at most, 1 RL step, 16 held-out tasks)"
   mkdir -p "$work/run-$name"
   # From outside the checkout: the agents and tasks must come from the installed package.
-  out=$(cd "$work/run-$name" && "$bin/rollway" demo --out demo --steps 1 --sft-steps 300 --eval-tasks 16 \
+  out=$(cd "$work/run-$name" && "$bin/rollway" demo --out demo --steps 1 --minutes 15 --sft-steps 300 --eval-tasks 16 \
         2> "$work/run-$name/demo.err" | tail -1) || { tail -40 "$work/run-$name/demo.err" >&2; return 1; }
   echo "$out"
   "$bin/python" - "$out" <<'EOF'

@@ -195,7 +195,11 @@ def main(args: argparse.Namespace) -> int:
                          "--out", str(out / "train"), "--nproc", str(args.nproc), "--seed", str(args.seed),
                          "--groups-per-step", str(GROUPS_PER_STEP), "--max-head-offpolicyness", str(ETA),
                          "--lr", str(RL_LR), "--adv-std-norm", "true", "--wait-seconds", "5", "--checkpoint-every", "50", "--steps", str(args.steps or 0)]
-            deadline = min(time.time() + args.minutes * 60, t0 + TOTAL_SECONDS - END_RESERVE_S)
+            # The whole demo keeps to TOTAL_SECONDS; a run asked for a number of steps gets them, within its
+            # --minutes for RL alone (a slow SFT on a busy machine must not leave it no time at all).
+            deadline = time.time() + args.minutes * 60
+            if not args.steps:
+                deadline = min(deadline, t0 + TOTAL_SECONDS - END_RESERVE_S)
             res = asyncio.run(_rl(gateway, key, train_cmd, env, out, deadline, args.steps, tasks, eval_tasks))
         finally:
             stop(gw)
