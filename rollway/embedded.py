@@ -79,11 +79,12 @@ def engine_process(model_dir: Path, *, port: int | None = None, log_path: Path |
 # is no business of a process that serves tokens.
 ENGINE_ENV_NAMES = frozenset({
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "TEMP", "TMP",
-    "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV", "CONDA_PREFIX", "SYSTEMROOT", "ROLLWAY_LOG_LEVEL",
+    "LD_LIBRARY_PATH", "LD_PRELOAD", "GLIBC_TUNABLES", "VIRTUAL_ENV", "CONDA_PREFIX", "SYSTEMROOT",
+    "ROLLWAY_LOG_LEVEL",
 })
 ENGINE_ENV_PREFIXES = ("LC_", "PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_", "HF_", "HUGGINGFACE_",
                        "TRANSFORMERS_", "TOKENIZERS_", "SAFETENSORS_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_",
-                       "XDG_", "COVERAGE_")
+                       "XDG_", "COVERAGE_", "MALLOC_")
 _CREDENTIAL_WORDS = frozenset({"KEY", "KEYS", "TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD",
                                "CREDENTIAL", "CREDENTIALS", "AUTH"})
 

@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     return wait_stopping_on_signals(proc)
 
 
-def wait_stopping_on_signals(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> int:
-    """Wait for torchrun; on SIGTERM or SIGINT stop it first (SIGTERM: it forwards it to its workers and waits
-    for them; SIGKILL after `grace_s`), then let the signal do what it did before: the default action of
+def wait_stopping_on_signals(proc: subprocess.Popen[bytes], grace_s: float = 45.0) -> int:
+    """Wait for torchrun; on SIGTERM or SIGINT stop it first (SIGTERM: it forwards it to its workers, gives
+    them 30 s and kills them; we SIGKILL torchrun after `grace_s`, longer, so that it can), then let the signal do what it did before: the default action of
     SIGTERM ends this process by it, SIGINT raises KeyboardInterrupt, a caller's handler (`rollway demo`'s)
     runs. Without a handler here, a SIGTERM ended this process at once and left torchrun and its workers
     running, re-parented to PID 1. Handlers can only be set from the main thread; elsewhere this just waits."""
