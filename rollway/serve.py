@@ -121,6 +121,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from gateway.app import create_app
     from gateway.settings import Settings
+
     # One precedence: a flag given on the command line > ROLLWAY_* environment > Settings' default.
     settings = Settings(**settings_from_args(args))
     data_dir = settings.data_dir
