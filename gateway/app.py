@@ -146,7 +146,8 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
         await pool.start()
         sweeper = asyncio.create_task(_sweep_idle(store, settings.session_idle_timeout_s))
         _tune_gc()
-        log.info("gateway ready: %d backend(s), context length %d", len(pool.backends()), ctx)
+        log.info("gateway started: %d backend(s), context length %d (GET /ready says whether one answers)",
+                 len(pool.backends()), ctx)
         try:
             yield
         finally:

@@ -24,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rollway.embedded import engine_process, free_port, stop, wait_healthy
+from rollway.embedded import die_with_parent, engine_process, free_port, stop, wait_healthy
 from rollway.keys import admin_key
 from rollway.paths import agent_file
 from rollway.rollout import Runner, append_line, load_agent, load_tasks, run_eval
@@ -109,7 +109,9 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
         append_line(str(out / "eval.jsonl"), json.dumps(start_eval))
         _log(f"held-out greedy accuracy before RL: {start_eval['eval_mean_reward']:.3f}")
         log = open(out / "trainer.log", "ab")
-        trainer = subprocess.Popen(train_cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # SIGTERM if the demo dies however it dies (kill -9 included): `rollway train` then stops torchrun.
+        trainer = subprocess.Popen(train_cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   preexec_fn=die_with_parent(signal.SIGTERM))
         metrics = out / "train" / "metrics.jsonl"
         bar = tqdm(total=steps or None, desc="RL steps", unit="step")
         i = failed = 0
@@ -186,7 +188,7 @@ def main(args: argparse.Namespace) -> int:
         gw = subprocess.Popen(
             [sys.executable, "-m", "rollway.cli", "serve", "--backend", engine_url, "--tokenizer", str(model),
              "--db", f"sqlite:///{out / 'rollway.db'}", "--port", str(port), "--data-dir", str(out)],
-            env=env, stdout=glog, stderr=subprocess.STDOUT,
+            env=env, stdout=glog, stderr=subprocess.STDOUT, preexec_fn=die_with_parent(signal.SIGTERM),
         )
         try:
             wait_healthy(gateway, gw, timeout=120)
