@@ -68,6 +68,21 @@ class Settings(BaseSettings):
     body_timeout_s: float = 30.0
     """Seconds a client may take to send its whole request body (one that announces a length and sends
     nothing would otherwise hold a connection and a task forever)."""
+    max_messages: int = Field(default=2048, ge=1)
+    """Messages (chat) or input items (Responses) one request may carry; more is a 400 before the body is
+    validated. Each message costs per-request work (validation, rendering, the continuity comparison with
+    every earlier turn) and is stored with the turn, and each renders to at least a few template tokens,
+    so thousands cannot fit a context anyway; 2048 leaves an agent about a thousand tool-call rounds."""
+    max_tools: int = Field(default=256, ge=1)
+    """Tools one request may offer; more is a 400 before the body is validated. OpenAI's own API takes at
+    most 128, so every agent that runs against it fits, with room for agents written for servers without
+    a limit; each tool is rendered into the prompt and stored with every turn."""
+    max_session_tokens: int = Field(default=4_000_000, ge=1)
+    """Tokens a session may record: the sum over its turns of prompt + completion tokens, which is what its
+    record (GET /v1/sessions/{id}) lists and what the gateway holds for its continuity. A turn whose prompt
+    would take the session past it is a 400 (start a new session, or raise this). 4M is a 100-turn episode
+    whose prompts average 40k tokens (a long-horizon agent on a 64k context); at the limit a record is about
+    30 MB of JSON, where a runaway agent loop had no bound at all."""
     backend_timeout_s: float = 600.0
     """Read timeout for one /generate call."""
     max_resubmits: int = 8

@@ -3,15 +3,26 @@
 prepare: continuity (parent turn, exact ids) -> prompt ids -> sampling from the group's policy ->
 context check. Then `generation.generate` runs it. finish: decode, parse tool calls and reasoning,
 store the turn (durable before the reply is returned), update the session view.
+
+Big prompts are the one place a single request can hold the event loop for seconds (tokenizing runs at a
+few MB of text per second: a 7 MB message stalled every other request and /health for 2 s before its 400).
+So a prompt whose body is big is prepared on a worker thread (the Rust tokenizer releases the GIL), and a
+prompt with more characters than the context could hold is refused before it is tokenized at all
+(`max_chars_per_token`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -24,6 +35,81 @@ from gateway.store.store import SessionAuth, Store, unique_id
 from gateway.templating import ChatTemplate
 from gateway.tool_parsers import ParsedReply, ToolParser, get_tool_parser, parse_reply
 from gateway.wire import pack
+
+T = TypeVar("T")
+
+BIG_BODY_BYTES = 64 * 1024
+"""A request body this big has its prompt prepared on a worker thread. Below it a prompt tokenizes in a few
+ms at most, less than a stall anyone notices, and the hot path pays nothing: one comparison."""
+PROMPT_WORKERS = 2
+"""Threads for big prompts: one huge prompt does not hold up every other big one, and hostile ones take at
+most two cores' worth of tokenizing beside the event loop."""
+NFC_MAX_EXPANSION = 4
+"""No character's canonical decomposition is longer than 4 code points (U+1F82 and friends; checked against
+Python's Unicode database in tests/gateway/test_limits.py). As NFD(s) == NFD(NFC(s)) and NFD never
+shortens a text, NFC leaves at least a quarter of a text's characters."""
+
+
+def max_chars_per_token(tokenizer: Any) -> int | None:
+    """The most characters of input text one token can stand for, where that is provable; else None.
+
+    Provable for byte-level BPE (GPT-2, Llama 3, Qwen): the ByteLevel pre-tokenizer turns each byte of the
+    normalized text into one symbol; with all 256 symbols in the vocabulary none is unknown or dropped, so
+    the tokens together cover every byte, and one token covers at most as many bytes (so characters) as its
+    vocabulary string has symbols. An added token covers its own text. Normalization may shorten the text:
+    none is allowed, or NFC (at most NFC_MAX_EXPANSION characters become one). The pre-tokenizers allowed
+    only split (none removes text). Anything else (SentencePiece, WordPiece, other normalizers, a slow
+    tokenizer): None, and every prompt is tokenized before it is measured."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.model).__name__ != "BPE":
+        return None
+    model = backend.model
+    if getattr(model, "continuing_subword_prefix", None) or getattr(model, "end_of_word_suffix", None):
+        return None  # symbols after the first are looked up with an affix: they could be unknown
+    factor = 1
+    if backend.normalizer is not None:
+        if json.loads(backend.normalizer.__getstate__()).get("type") != "NFC":
+            return None
+        factor = NFC_MAX_EXPANSION
+    if backend.pre_tokenizer is None or not _only_splits_to_bytes(json.loads(backend.pre_tokenizer.__getstate__())):
+        return None
+    from tokenizers import pre_tokenizers
+
+    vocab = tokenizer.get_vocab()  # with the added tokens
+    if not all(symbol in vocab for symbol in pre_tokenizers.ByteLevel.alphabet()):
+        return None
+    return factor * max(map(len, vocab))
+
+
+def _only_splits_to_bytes(node: dict[str, Any]) -> bool:
+    """A pre-tokenizer made of splits that keep every character, with a ByteLevel in it."""
+    found = False
+
+    def ok(n: dict[str, Any]) -> bool:
+        nonlocal found
+        kind = n.get("type")
+        if kind == "Sequence":
+            return all(ok(child) for child in n.get("pretokenizers", []))
+        if kind == "ByteLevel":
+            found = True
+            return True
+        if kind in ("Split", "Punctuation"):
+            return n.get("behavior") != "Removed"
+        return kind == "Digits"
+
+    return ok(node) and found
+
+
+def _thread_template(template: ChatTemplate) -> ChatTemplate:
+    """`template` for one worker thread. Rendering only reads shared state; encoding also fills the encoder's
+    piece cache, which is not safe to share with the event loop's thread: the copy gets its own (the
+    encoder's configuration, and so its ids, stay the same)."""
+    encoder = copy.copy(template._encoder)
+    encoder._cache = OrderedDict()
+    encoder._chars = 0
+    clone = copy.copy(template)
+    clone._encoder = encoder
+    return clone
 
 
 @dataclass(slots=True)
@@ -43,6 +129,10 @@ class TurnRequest:
     json_schema: str | None = None
     raw_prompt_ids: list[int] | None = None
     """/v1/completions: the prompt as ids, no template and no continuity."""
+    raw_prompt: str | None = None
+    """/v1/completions: the prompt as text, tokenized as it is (no template, no continuity)."""
+    body_bytes: int = 0
+    """Size of the request body: a big one is prepared off the event loop (BIG_BODY_BYTES)."""
 
 
 @dataclass(slots=True)
@@ -60,6 +150,8 @@ class PreparedTurn:
     temperature: float
     max_new_tokens: int
     started: float
+    view: SessionView | None = None
+    """The session's cached view the turn was prepared against (kept current by `finish`)."""
 
 
 @dataclass(slots=True)
@@ -95,50 +187,138 @@ class TurnService:
         self.stop_ids = set(template.stop_token_ids)
         self._token_text: dict[int, tuple[str, list[int]]] = {}
         self._renders: OrderedDict[bytes, tuple[tuple[int, ...], str]] = OrderedDict()
+        per_token = max_chars_per_token(self.tokenizer)
+        self.chars_per_token = per_token
+        """No token stands for more characters than this (None: not provable for this tokenizer)."""
+        self._max_prompt_chars = (context_length - 1) * per_token if per_token else None
+        """A text with more characters is at least context_length tokens: refused without tokenizing."""
+        self._executor: ThreadPoolExecutor | None = None
+        self._local = threading.local()
 
     # --- before generation -----------------------------------------------------------------------
 
-    async def prepare(self, auth: SessionAuth, req: TurnRequest) -> PreparedTurn:
+    async def prepare(self, auth: SessionAuth, req: TurnRequest, *, max_session_tokens: int | None = None) -> PreparedTurn:
+        """`max_session_tokens`: refuse the turn when the tokens the session recorded so far plus its prompt
+        exceed it (Settings.max_session_tokens)."""
         if auth.state != "active":
             raise Conflict(f"session {auth.id} is {auth.state}; it takes no more turns", code="session_ended")
         started = time.time()
         parent_id: str | None = None
         reason: str | None
         text: str | None = None
-        if req.raw_prompt_ids is not None:
-            prompt, delta, reason = req.raw_prompt_ids, req.raw_prompt_ids, "completions_endpoint"
+        big = req.body_bytes >= BIG_BODY_BYTES
+        view = await self.cache.get(auth.id, auth.turn_count)
+        # Every turn's full prompt and completion ids are in the view (a C-speed sum over its turns).
+        recorded = sum(map(len, view.chains.values())) if max_session_tokens is not None else 0
+        if max_session_tokens is not None and recorded >= max_session_tokens:  # before any rendering
+            raise _session_full(auth.id, recorded, None, max_session_tokens, req)
+        if req.raw_prompt_ids is not None or req.raw_prompt is not None:
+            prompt = await self._raw_prompt(req, big)
+            delta, reason = prompt, "completions_endpoint"
+        elif big:
+            parent_id, reason, prompt, delta, text = await self.off_loop(self._continue, view, req, True)
         else:
-            view = await self.cache.get(auth.id, auth.turn_count)
             parent_id, reason, prompt, delta, text = self._continue(view, req)
+        if max_session_tokens is not None and recorded + len(prompt) > max_session_tokens:
+            raise _session_full(auth.id, recorded, len(prompt), max_session_tokens, req)
         max_new = self._budget(len(prompt), req.max_tokens)
         sampling, temperature = self._sampling(auth.sampling, req)
         prefix = "resp_" if req.endpoint == "responses" else ("cmpl-" if req.endpoint == "completions" else "chatcmpl-")
         return PreparedTurn(
             auth=auth, req=req, turn_id=unique_id(prefix), prompt_ids=prompt, prompt_delta=delta,
             parent_id=parent_id, chain_reason=reason, prompt_text=text, sampling=sampling, temperature=temperature,
-            max_new_tokens=max_new, started=started,
+            max_new_tokens=max_new, started=started, view=view,
         )
 
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on a prompt worker thread (created on first use)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="rollway-prompt")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _worker_template(self) -> ChatTemplate:
+        """The calling thread's own template (see `_thread_template`); the event loop's thread uses the shared one."""
+        template: ChatTemplate | None = getattr(self._local, "template", None)
+        if template is None:
+            template = self._local.template = _thread_template(self.template)
+        return template
+
+    def _check_chars(self, text: str, param: str) -> None:
+        """Refuse a text too long for the context by its length alone (before it is tokenized)."""
+        limit = self._max_prompt_chars
+        if limit is not None and len(text) > limit:
+            assert self.chars_per_token is not None
+            at_least = -(-len(text) // self.chars_per_token)
+            raise ContextLengthExceeded(
+                f"the prompt is at least {at_least} tokens ({len(text)} characters, and no token of this "
+                f"tokenizer stands for more than {self.chars_per_token}); this model's context length is "
+                f"{self.context_length}", param=param,
+            )
+
+    async def _raw_prompt(self, req: TurnRequest, big: bool) -> list[int]:
+        """A /v1/completions prompt as ids: as sent, or its text tokenized as it is."""
+        if req.raw_prompt is None:
+            ids = req.raw_prompt_ids or []
+        elif big:
+            ids = await self.off_loop(self._encode_raw, req.raw_prompt, True)
+        else:
+            ids = self._encode_raw(req.raw_prompt, False)
+        if not ids:
+            raise BadRequest("prompt is empty", param="prompt")
+        return ids
+
+    def _encode_raw(self, text: str, worker: bool) -> list[int]:
+        """A /v1/completions text prompt to ids; `worker`: on a prompt worker thread (its own template)."""
+        self._check_chars(text, "prompt")
+        return (self._worker_template() if worker else self.template).encode(text)
+
     def _continue(
-        self, view: SessionView, req: TurnRequest
+        self, view: SessionView, req: TurnRequest, big: bool = False
     ) -> tuple[str | None, str | None, list[int], list[int], str]:
-        """(parent id, new-chain reason, prompt ids, prompt delta, prompt text) of a chat turn."""
+        """(parent id, new-chain reason, prompt ids, prompt delta, prompt text) of a chat turn.
+
+        `big`: on a worker thread, with the thread's own template, without the render cache (its keys would
+        be as big as the requests), and measuring the new text before it is tokenized."""
+        template = self._worker_template() if big else self.template
         choice = choose_parent(view.candidates, req.messages, req.tools)
         if choice.parent_turn_id is not None:
             parent = next(c for c in view.candidates if c.turn_id == choice.parent_turn_id)
             n_prev = len(parent.messages)
-            ext = self.template.extension(
+            chain = view.chains[parent.turn_id]
+            if big and self.chars_per_token is not None:
+                self._check_extension(template, parent.messages, req, len(chain), self.chars_per_token)
+            ext = template.extension(
                 parent.messages, view.completions[parent.turn_id], req.messages[n_prev:], req.tools,
                 parent_prompt=view.prompt_texts.get(parent.turn_id),
             )
             if ext is not None:
                 ids, text = ext
-                return parent.turn_id, None, [*view.chains[parent.turn_id], *ids], ids, text
+                return parent.turn_id, None, [*chain, *ids], ids, text
             reason: str | None = "template_not_prefix_stable"
         else:
             reason = choice.reason
-        ids, text = self._render_cached(req.messages, req.tools)
+        if not big:
+            ids, text = self._render_cached(req.messages, req.tools)
+        else:
+            if self._max_prompt_chars is not None:  # measured before the costly part of render_prompt: encoding
+                self._check_chars(template.render_text(req.messages, req.tools), "messages")
+            ids, text = template.render_prompt(req.messages, req.tools)
         return None, reason, ids, ids, text
+
+    def _check_extension(
+        self, template: ChatTemplate, before: list[dict[str, Any]], req: TurnRequest, chain: int, per_token: int
+    ) -> None:
+        """Refuse an extension too long for the context before it is tokenized: its text holds at least
+        everything the full rendering adds after the parent's conversation (`ChatTemplate.extension`)."""
+        new = len(template.render_text(req.messages, req.tools)) - len(
+            template.render_text(before, req.tools, add_generation_prompt=False))
+        at_least = chain - (-new // per_token)
+        if at_least >= self.context_length:
+            raise ContextLengthExceeded(
+                f"the prompt is at least {at_least} tokens ({chain} of the turn it extends, and {new} new "
+                f"characters where no token of this tokenizer stands for more than {per_token}); this model's "
+                f"context length is {self.context_length}", param="messages",
+            )
 
     def _render_cached(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[list[int], str]:
         """Siblings of a GRPO group send the same first prompt: render and tokenize it once."""
@@ -245,15 +425,33 @@ class TurnService:
         )
         # Shielded: a client that goes away while we commit must not cancel the commit.
         seq = await asyncio.shield(self.store.insert_turn(p.auth.id, values))
-        self.cache.record(
-            p.auth.id, seq, p.turn_id, p.req.messages, {} if raw_only else reply, p.req.tools, p.prompt_ids, gen.ids,
-            p.prompt_text,
-        )
+        if raw_only and p.view is not None and p.view.turn_count == seq - 1:
+            # A raw completion is no parent (no messages), but its ids count toward the session's tokens.
+            # The view stays current, as a reload from the store would build it; handing the cache a turn
+            # without a reply would drop the view and reload every turn of the session on the next call.
+            p.view.chains[p.turn_id] = (*p.prompt_ids, *gen.ids)
+            p.view.turn_count = seq
+        else:
+            self.cache.record(
+                p.auth.id, seq, p.turn_id, p.req.messages, {} if raw_only else reply, p.req.tools, p.prompt_ids,
+                gen.ids, p.prompt_text,
+            )
         self.metrics.turn_stored(
             continuity="extends" if p.parent_id else "new-chain", prompt_tokens=len(p.prompt_ids), completion_tokens=len(gen.ids),
             disconnected=client_disconnected, chain_reason=p.chain_reason,
         )
         return FinishedTurn(p.turn_id, text, parsed, finish)
+
+
+def _session_full(session_id: str, recorded: int, prompt: int | None, limit: int, req: TurnRequest) -> BadRequest:
+    this = "" if prompt is None else f", and this turn's prompt is {prompt} more"
+    return BadRequest(
+        f"session {session_id} has recorded {recorded} tokens (prompt + completion of each turn){this}; a "
+        f"session may record at most {limit} (max_session_tokens; raise it with ROLLWAY_MAX_SESSION_TOKENS, "
+        f"or start a new session)",
+        param={"completions": "prompt", "responses": "input"}.get(req.endpoint, "messages"),
+        code="session_token_limit",
+    )
 
 
 def require_tools_supported(tool_choice: Any, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -12,8 +12,8 @@ from fastapi.responses import Response
 from gateway.auth import chat_session
 from gateway.errors import BadRequest
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, note_unknown_fields
-from gateway.routes.common import json_response, read_body
-from gateway.routes.replies import logprobs_content, run_to_end, usage
+from gateway.routes.common import json_response
+from gateway.routes.replies import logprobs_content, read_turn_body, run_to_end, usage
 from gateway.routes.streaming import stream_turn
 from gateway.templating import ChatTemplate
 from gateway.turns import TurnRequest, TurnService, require_tools_supported
@@ -59,7 +59,7 @@ def message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
     return d
 
 
-def chat_turn_request(body: ChatCompletionRequest) -> TurnRequest:
+def chat_turn_request(body: ChatCompletionRequest, body_bytes: int = 0) -> TurnRequest:
     if body.n not in (None, 1):
         raise BadRequest("n > 1 is not supported: each sample is its own session (POST /v1/groups)", param="n")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -82,16 +82,18 @@ def chat_turn_request(body: ChatCompletionRequest) -> TurnRequest:
         seed=body.seed,
         top_logprobs=top if body.logprobs else 0,
         json_schema=json_schema,
+        body_bytes=body_bytes,
     )
 
 
 async def _chat(request: Request, session_id: str | None) -> Response:
-    body = await read_body(request, ChatCompletionRequest)
-    note_unknown_fields(body, "chat.completions")
+    # The key first: a caller without one is answered before any of its body is read or parsed.
     auth = await chat_session(request, session_id)
+    body, size = await read_turn_body(request, ChatCompletionRequest, "messages")
+    note_unknown_fields(body, "chat.completions")
     turns: TurnService = request.app.state.turns
-    req = chat_turn_request(body)
-    prepared = await turns.prepare(auth, req)
+    req = chat_turn_request(body, size)
+    prepared = await turns.prepare(auth, req, max_session_tokens=request.app.state.settings.max_session_tokens)
     model = request.app.state.model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -109,9 +111,9 @@ async def _chat(request: Request, session_id: str | None) -> Response:
 
 
 async def _completions(request: Request, session_id: str | None) -> Response:
-    body = await read_body(request, CompletionRequest)
+    auth = await chat_session(request, session_id)  # the key first, as in _chat
+    body, size = await read_turn_body(request, CompletionRequest, None)
     note_unknown_fields(body, "completions")
-    auth = await chat_session(request, session_id)
     if body.n not in (None, 1):
         raise BadRequest("n > 1 is not supported: each sample is its own session (POST /v1/groups)", param="n")
     if body.stream:
@@ -122,20 +124,16 @@ async def _completions(request: Request, session_id: str | None) -> Response:
         if len(prompt) != 1:
             raise BadRequest("a batch of prompts is not supported; send one prompt per request", param="prompt")
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = turns.template.encode(prompt)
-    else:
-        ids = [int(x) for x in prompt]
-    if not ids:
-        raise BadRequest("prompt is empty", param="prompt")
     req = TurnRequest(
         endpoint="completions", messages=[], tools=None,
         asked=body.model_dump(exclude={"prompt"}, exclude_none=True), max_tokens=body.max_tokens,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         temperature=body.temperature, top_p=body.top_p, seed=body.seed, top_logprobs=body.logprobs or 0,
-        raw_prompt_ids=ids,
+        raw_prompt=prompt if isinstance(prompt, str) else None,
+        raw_prompt_ids=None if isinstance(prompt, str) else [int(x) for x in prompt],
+        body_bytes=size,
     )
-    prepared = await turns.prepare(auth, req)
+    prepared = await turns.prepare(auth, req, max_session_tokens=request.app.state.settings.max_session_tokens)
     gen, done = await run_to_end(request, prepared)
     choice: dict[str, Any] = {"index": 0, "text": done.text, "logprobs": None,
                               "finish_reason": "length" if done.finish_reason == "length" else "stop"}

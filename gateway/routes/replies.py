@@ -10,8 +10,31 @@ from typing import Any
 
 from fastapi import Request
 
+from gateway.errors import BadRequest
 from gateway.generation import Generation, generate
+from gateway.routes.common import M, parse_body, read_raw_body
+from gateway.settings import Settings
 from gateway.turns import FinishedTurn, PreparedTurn, TurnService
+
+
+async def read_turn_body(request: Request, model: type[M], messages: str | None) -> tuple[M, int]:
+    """The body of an OpenAI call (read after its key was checked) and its size in bytes. `messages` names
+    the list counted against `max_messages` (and `tools` against `max_tools`) on the decoded JSON, before
+    validation: validating 230k messages (7 MB) took 3 s of the event loop."""
+    raw = await read_raw_body(request)
+    settings: Settings = request.app.state.settings
+    return parse_body(raw, model, lambda data: check_counts(data, settings, messages)), len(raw)
+
+
+def check_counts(data: dict[str, Any], settings: Settings, messages: str | None) -> None:
+    for name, limit, setting in ((messages, settings.max_messages, "max_messages"),
+                                 ("tools", settings.max_tools, "max_tools")):
+        items = data.get(name) if name else None
+        if isinstance(items, list) and len(items) > limit:
+            raise BadRequest(
+                f"{name} holds {len(items)} items; a request may carry at most {limit} ({setting}; raise it "
+                f"with ROLLWAY_{setting.upper()})", param=name, code="array_above_max_length",
+            )
 
 
 async def run_to_end(request: Request, prepared: PreparedTurn) -> tuple[Generation, FinishedTurn]:

@@ -16,8 +16,8 @@ from fastapi.responses import Response
 from gateway.auth import chat_session
 from gateway.errors import BadRequest
 from gateway.protocol import ResponsesRequest, note_unknown_fields
-from gateway.routes.common import json_response, read_body
-from gateway.routes.replies import run_to_end
+from gateway.routes.common import json_response
+from gateway.routes.replies import read_turn_body, run_to_end
 from gateway.turns import TurnRequest, TurnService, require_tools_supported
 
 
@@ -85,9 +85,9 @@ def chat_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
 
 
 async def _responses(request: Request, session_id: str | None) -> Response:
-    body = await read_body(request, ResponsesRequest)
+    auth = await chat_session(request, session_id)  # the key first: no body is read for a caller without one
+    body, size = await read_turn_body(request, ResponsesRequest, "input")
     note_unknown_fields(body, "responses")
-    auth = await chat_session(request, session_id)
     if body.previous_response_id:
         raise BadRequest("this endpoint is stateless: send the whole conversation as input",
                          param="previous_response_id")
@@ -102,11 +102,11 @@ async def _responses(request: Request, session_id: str | None) -> Response:
     req = TurnRequest(
         endpoint="responses", messages=input_messages(body), tools=tools,
         asked=body.model_dump(exclude={"input", "tools", "instructions"}, exclude_none=True),
-        max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
+        max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, body_bytes=size,
     )
     if not req.messages:
         raise BadRequest("input is empty", param="input")
-    prepared = await turns.prepare(auth, req)
+    prepared = await turns.prepare(auth, req, max_session_tokens=request.app.state.settings.max_session_tokens)
     gen, done = await run_to_end(request, prepared)
     output: list[dict[str, Any]] = []
     if done.parsed.reasoning_content:
