@@ -6,7 +6,8 @@ store the turn (durable before the reply is returned), update the session view.
 
 Big prompts are the one place a single request can hold the event loop for seconds (tokenizing runs at a
 few MB of text per second: a 7 MB message stalled every other request and /health for 2 s before its 400).
-So a prompt whose body is big is prepared on a worker thread (the Rust tokenizer releases the GIL), and a
+So a prompt whose body is big is prepared on a worker thread (tokenizers' batch encode, which the encoder
+calls, releases the GIL), and a
 prompt with more characters than the context could hold is refused before it is tokenized at all
 (`max_chars_per_token`).
 """
@@ -103,8 +104,11 @@ def _only_splits_to_bytes(node: dict[str, Any]) -> bool:
 def _thread_template(template: ChatTemplate) -> ChatTemplate:
     """`template` for one worker thread. Rendering only reads shared state; encoding also fills the encoder's
     piece cache, which is not safe to share with the event loop's thread: the copy gets its own (the
-    encoder's configuration, and so its ids, stay the same)."""
+    encoder's configuration, and so its ids, stay the same). TurnService makes one at start, so a change to
+    these attributes fails there rather than sharing the cache unnoticed."""
     encoder = copy.copy(template._encoder)
+    if not isinstance(getattr(encoder, "_cache", None), OrderedDict) or not hasattr(encoder, "_chars"):
+        raise TypeError("ChatTemplate._encoder is not the CachedEncoder this copy knows how to give a cache")
     encoder._cache = OrderedDict()
     encoder._chars = 0
     clone = copy.copy(template)
@@ -194,6 +198,7 @@ class TurnService:
         """A text with more characters is at least context_length tokens: refused without tokenizing."""
         self._executor: ThreadPoolExecutor | None = None
         self._local = threading.local()
+        _thread_template(template)  # fails here, at start, if the template no longer copies as it expects
 
     # --- before generation -----------------------------------------------------------------------
 

@@ -19,17 +19,20 @@ from gateway.turns import FinishedTurn, PreparedTurn, TurnService
 
 async def read_turn_body(request: Request, model: type[M], messages: str | None) -> tuple[M, int]:
     """The body of an OpenAI call (read after its key was checked) and its size in bytes. `messages` names
-    the list counted against `max_messages` (and `tools` against `max_tools`) on the decoded JSON, before
-    validation: validating 230k messages (7 MB) took 3 s of the event loop."""
+    the list counted against `max_messages` (and `tools` against `max_tools`; None: neither, a completion
+    has no such lists) on the decoded JSON, before validation: validating 230k messages (7 MB) took 3 s of
+    the event loop."""
     raw = await read_raw_body(request)
+    if messages is None:
+        return parse_body(raw, model), len(raw)
     settings: Settings = request.app.state.settings
     return parse_body(raw, model, lambda data: check_counts(data, settings, messages)), len(raw)
 
 
-def check_counts(data: dict[str, Any], settings: Settings, messages: str | None) -> None:
+def check_counts(data: dict[str, Any], settings: Settings, messages: str) -> None:
     for name, limit, setting in ((messages, settings.max_messages, "max_messages"),
                                  ("tools", settings.max_tools, "max_tools")):
-        items = data.get(name) if name else None
+        items = data.get(name)
         if isinstance(items, list) and len(items) > limit:
             raise BadRequest(
                 f"{name} holds {len(items)} items; a request may carry at most {limit} ({setting}; raise it "
