@@ -15,7 +15,7 @@ from pydantic import Field, field_validator
 from sqlalchemy import Table, delete, select
 
 from gateway.auth import admin
-from gateway.errors import NotFound, ServiceUnavailable
+from gateway.errors import BadRequest, NotFound
 from gateway.protocol import Strict
 from gateway.routes.common import json_response, read_body
 from gateway.settings import backend_url
@@ -60,7 +60,9 @@ async def add_backend(request: Request) -> Response:
         await state.publisher.sync_backend(backend)
     except BackendError as e:
         state.pool.remove(backend.id)
-        raise ServiceUnavailable(f"backend {url} is not usable: {e}", retry_after=5) from e
+        # The URL given does not lead to a usable server: the request is what is wrong, not the gateway.
+        raise BadRequest(f"backend {url} is not usable (it must answer GET /health and take the current "
+                         f"weights; add it again once it does): {e}", param="url", code="backend_unusable") from e
     state.pool.mark_healthy(backend)
     async with state.store.begin() as conn:
         if (await conn.execute(select(BR.c.id).where(BR.c.url == url))).first() is None:

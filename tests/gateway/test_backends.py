@@ -35,7 +35,7 @@ def test_added_backend_serves_current_version_before_traffic(tiny_model_dir: Pat
         cred = gw.group(2)["sessions"][0]
         chat(gw, cred)
         assert b.requests and set(gw.session(cred["session_id"])["turns"][0]["versions"]) == {v}
-        assert gw.admin.post("/v1/backends", json={"url": "http://127.0.0.1:9"}).status_code == 503
+        assert gw.admin.post("/v1/backends", json={"url": "http://127.0.0.1:9"}).status_code == 400
 
 
 def test_backend_dying_mid_load_fails_no_request(tiny_model_dir: Path, sqlite_url: str) -> None:

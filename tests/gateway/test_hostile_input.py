@@ -293,9 +293,9 @@ def test_bad_backend_url_is_refused(gateway: LiveGateway, url: str, text: str) -
     assert [b["url"] for b in gateway.admin.get("/v1/backends").json()["data"]] == before
 
 
-def test_unreachable_backend_is_a_503_not_a_500(gateway: LiveGateway) -> None:
+def test_unreachable_backend_is_a_400_not_a_500(gateway: LiveGateway) -> None:
     r = gateway.admin.post("/v1/backends", json={"url": "https://127.0.0.1:9"})
-    assert r.status_code == 503 and "not usable" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and r.json()["error"]["code"] == "backend_unusable", r.text
 
 
 def test_out_of_range_prompt_token_ids_are_refused(gateway: LiveGateway, cred: dict[str, Any]) -> None:
