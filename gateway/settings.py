@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import urllib.parse
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# Letters, digits, hyphens, and underscores (container and compose service names use them).
+_HOST_LABELS = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
+
+
+def _valid_host(host: str) -> bool:
+    """An IP address, or a name whose IDNA form is letters, digits, hyphens (and underscores) in dot-separated
+    labels. What passes here, aiohttp and the HTTP/1.1 client both accept."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    try:
+        ascii_host = host.encode("idna").decode("ascii")
+    except UnicodeError:
+        return False
+    return len(ascii_host) <= 253 and _HOST_LABELS.fullmatch(ascii_host) is not None
 
 
 def backend_url(url: str) -> str:
@@ -24,10 +43,8 @@ def backend_url(url: str) -> str:
         raise ValueError(f"backend URL {url!r}: the scheme must be http or https")
     if not parts.hostname:
         raise ValueError(f"backend URL {url!r} has no host")
-    try:
-        parts.hostname.encode("idna")
-    except UnicodeError:
-        raise ValueError(f"backend URL {url!r}: the host is not a valid domain name") from None
+    if not _valid_host(parts.hostname):
+        raise ValueError(f"backend URL {url!r}: the host is not a valid domain name or IP address")
     if parts.username or parts.password or parts.query or parts.fragment:
         raise ValueError(f"backend URL {url!r}: no user, query or fragment (give scheme://host:port[/path])")
     if port == 0:

@@ -333,3 +333,9 @@ def test_a_finished_session_cannot_be_abandoned(gateway: LiveGateway) -> None:
     assert _post(gateway, sid, "reward", {"reward": 0.5}).status_code == 200
     s = gateway.session(sid)
     assert s["state"] == "finished" and s["reward"] == 0.5
+
+
+def test_a_host_no_http_client_can_use_is_refused(gateway: LiveGateway) -> None:
+    """Found by the long fuzz run: IDNA accepted this host, aiohttp did not (a 500 while probing it)."""
+    bad_request(gateway.admin.post("/v1/backends", json={"url": "http://\U000f8a5f\ufc61\\j\U000e064a/"}),
+                "not a valid domain name or IP address")
