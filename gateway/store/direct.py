@@ -45,10 +45,13 @@ def json_text(value: Any) -> str:
 
 def turn_params(values: dict[str, Any], columns: Sequence[Column[Any]] = TURN_COLUMNS) -> list[Any]:
     """A turn's values in the order of `columns`, as SQLAlchemy would bind them: JSON as text, absent columns as
-    their scalar default (else NULL). Booleans stay bool (sqlite3 stores them as 0/1, as SQLAlchemy did)."""
+    their scalar default (else NULL). Booleans stay bool (sqlite3 stores them as 0/1, as SQLAlchemy did).
+    A key that is no column raises, as SQLAlchemy's insert does: a misspelt field must not vanish."""
     out: list[Any] = []
+    used = 0
     for col in columns:
         if col.name in values:
+            used += 1
             v = values[col.name]
             if col.name in _JSON_COLUMNS:
                 v = json_text(v)
@@ -56,7 +59,14 @@ def turn_params(values: dict[str, Any], columns: Sequence[Column[Any]] = TURN_CO
             default = col.default
             v = default.arg if default is not None and default.is_scalar else None  # type: ignore[attr-defined]
         out.append(v)
+    if used != len(values):
+        unknown = sorted(set(values) - {c.name for c in columns})
+        raise UnknownColumns(f"not columns of the turns table: {', '.join(unknown)}")
     return out
+
+
+class UnknownColumns(ValueError):
+    """A turn's values name a column the table does not have (SQLAlchemy raises CompileError for the same)."""
 
 
 def _auth_row(raw: Any) -> AuthRow | None:

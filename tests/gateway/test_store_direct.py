@@ -90,3 +90,27 @@ async def test_concurrent_turns_share_commits_and_a_bad_one_fails_alone(db_url: 
             assert sorted(results[k:-2:len(sids)]) == [first, first + 1, first + 2]  # type: ignore[type-var]
     finally:
         await store.close()
+
+
+async def test_a_misspelt_field_raises_on_both_paths(db_url: str) -> None:
+    """A value for no column is an error on the direct path as on the SQLAlchemy path: never silently dropped."""
+    import sqlalchemy.exc
+
+    from gateway.store.direct import UnknownColumns
+
+    store = Store(create_engine(db_url))
+    await store.open()
+    try:
+        _, creds = await store.create_group({"q": 3}, 2, sampling={})
+        sid = creds[0][0]
+        bad = {**turn_values("t-typo"), "finsh_reason": "stop"}
+        with pytest.raises(UnknownColumns, match="finsh_reason"):
+            await store.insert_turn(sid, bad)
+        direct, store.direct = store.direct, None
+        with pytest.raises(sqlalchemy.exc.CompileError, match="finsh_reason"):
+            await store.insert_turn(sid, {**turn_values("t-typo-core"), "finsh_reason": "stop"})
+        store.direct = direct
+        assert await store.session_turns(sid) == []
+        assert await store.insert_turn(sid, turn_values("t-good")) == 1  # nothing half-done was left behind
+    finally:
+        await store.close()
