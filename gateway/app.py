@@ -84,6 +84,38 @@ async def registered_backends(store: Store) -> list[str]:
         return [str(u) for u in rows.scalars()]
 
 
+class Registry:
+    """The store's backend table mirrored into this process's pool, so a backend added or removed through any
+    gateway is used (or dropped) by every one: read on each health interval and before each publish (a
+    publish must reach every backend that serves). Backends of the command line are this process's own and
+    stay; a backend new to the pool joins unhealthy, and the health loop admits it once `on_recover` has
+    brought it to the current weights."""
+
+    def __init__(self, pool: BackendPool, store: Store, configured: list[str]) -> None:
+        self.pool = pool
+        self.store = store
+        self.configured = {u.rstrip("/") for u in configured}
+
+    async def reload(self) -> None:
+        wanted = {u.rstrip("/") for u in await registered_backends(self.store)}
+        present = {b.url: b for b in self.pool.backends()}
+        for url in sorted(wanted - set(present)):
+            log.info("backend %s registered by another gateway: adding it", url)
+            self.pool.add(url, healthy=False)
+        for url, backend in present.items():
+            if url not in wanted and url not in self.configured:
+                log.info("backend %s removed by another gateway: dropping it", url)
+                self.pool.remove(backend.id)
+
+    async def follow(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.reload()
+            except STORE_UNAVAILABLE as e:  # recovery: the next round reads it again
+                log.warning("backend registry not read: %s", e)
+
+
 def served_name(settings: Settings) -> str:
     return settings.served_model_name or Path(settings.tokenizer.rstrip("/")).name or "rollway"
 
@@ -145,6 +177,8 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
         )
         await pool.start()
         sweeper = asyncio.create_task(_sweep_idle(store, settings.session_idle_timeout_s))
+        app.state.registry = Registry(pool, store, settings.backends)
+        follower = asyncio.create_task(app.state.registry.follow(settings.health_interval_s))
         _tune_gc()
         log.info("gateway started: %d backend(s), context length %d (GET /ready says whether one answers)",
                  len(pool.backends()), ctx)
@@ -152,6 +186,7 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
             yield
         finally:
             sweeper.cancel()
+            follower.cancel()
             await pool.stop()
             await http.close()
             await store.close()

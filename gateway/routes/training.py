@@ -95,6 +95,7 @@ async def publish(request: Request) -> Response:
     await admin(request)
     body = await read_body(request, PublishBody)
     batch_ids = [*([body.batch_id] if body.batch_id else []), *body.batch_ids]
+    await request.app.state.registry.reload()  # backends another gateway added take part (or are brought up)
     out = await request.app.state.publisher.publish(body.version, body.model_path, batch_ids, body.results)
     return json_response(out)
 

@@ -28,7 +28,7 @@ def pg_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def gateways(pg_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    env = {**os.environ, "ROLLWAY_ADMIN_KEY": ADMIN_KEY}
+    env = {**os.environ, "ROLLWAY_ADMIN_KEY": ADMIN_KEY, "ROLLWAY_HEALTH_INTERVAL_S": "0.5"}
     with FakeSGLang() as fake:
         procs, urls = [], []
         try:
@@ -94,3 +94,32 @@ def test_two_gateways_share_sessions_and_leases(gateways: list[str], tmp_path: P
     assert a.get("/v1/weights").json()["version"] == v
     assert all(a.get(f"/v1/groups/{g['group_id']}").json()["state"] == "trained" for g in groups)
     assert b.post("/v1/batches", json={"max_groups": 10}).json()["groups"] == []
+
+
+def _wait(condition: Any, what: str, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_a_backend_added_through_one_gateway_gets_a_publish_through_the_other(gateways: list[str],
+                                                                              tmp_path: Path) -> None:
+    """The registry is the store's: B sees a backend added through A, so B's publish reaches it (it once kept
+    serving the old weights); and a backend removed through A leaves B too."""
+    a, b = (admin(u) for u in gateways)
+    with FakeSGLang() as c:
+        assert a.post("/v1/backends", json={"url": c.url}).status_code == 201
+        v = a.get("/v1/weights").json()["version"] + 1
+        assert b.post("/v1/weights", json={"version": v, "model_path": str(tmp_path)}).status_code == 200
+        _wait(lambda: c.weight_version == str(v), f"the new backend never loaded version {v}")
+        assert ("/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": str(v)}) in [
+            (p, {k: body.get(k) for k in ("model_path", "weight_version")}) for p, body in c.calls]
+        _wait(lambda: any(x["url"] == c.url and x["healthy"] for x in b.get("/v1/backends").json()["data"]),
+              "gateway B never put the new backend in rotation")
+        c_on_a = next(x["id"] for x in a.get("/v1/backends").json()["data"] if x["url"] == c.url)
+        assert a.delete(f"/v1/backends/{c_on_a}").status_code == 200
+        _wait(lambda: all(x["url"] != c.url for x in b.get("/v1/backends").json()["data"]),
+              "gateway B kept a backend removed through A")
