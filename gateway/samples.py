@@ -23,11 +23,21 @@ class Sequence:
     logprobs: list[float]
     versions: list[int]
     returns: list[float]
-    temperature: float
+    temperatures: list[float]
+    """Per token: the sampling temperature of the turn it belongs to (a client allowed to override it may
+    change it between turns; the trainer divides each token's logits by its own)."""
+
+    @property
+    def temperature(self) -> float | list[float]:
+        """One number when every token shares it (the usual case, and the compact wire form), else the list."""
+        first = self.temperatures[0] if self.temperatures else 1.0
+        return first if all(t == first for t in self.temperatures) else self.temperatures
 
     def wire(self, group_id: str, session_id: str, reward: float | None) -> dict[str, Any]:
+        temp = self.temperature
         return {
-            "group_id": group_id, "session_id": session_id, "reward": reward, "temperature": self.temperature,
+            "group_id": group_id, "session_id": session_id, "reward": reward,
+            "temperature": temp if isinstance(temp, float) else encode_array(temp, "float32"),
             "token_ids": encode_array(self.token_ids, "int32"),
             "loss_mask": encode_array(self.loss_mask, "uint8"),
             "logprobs": encode_array(self.logprobs, "float32"),
@@ -67,7 +77,7 @@ def session_sequences(rows: list[TurnRow], session_reward: float | None, gamma: 
             node = by_id.get(node.parent_id) if node.parent_id else None
         chain.reverse()
         rets = turn_returns(chain, session_reward, gamma)
-        seq = Sequence([], [], [], [], [], chain[0].temperature)
+        seq = Sequence([], [], [], [], [], [])
         for i, turn in enumerate(chain):
             delta: list[int] = unpack(turn.prompt_ids, "int32")  # type: ignore[assignment]
             completion: list[int] = unpack(turn.completion_ids, "int32")  # type: ignore[assignment]
@@ -81,6 +91,7 @@ def session_sequences(rows: list[TurnRow], session_reward: float | None, gamma: 
             seq.logprobs += [0.0] * len(delta) + (unpack(turn.logprobs, "float32") if learn else [0.0] * n)  # type: ignore[operator]
             seq.versions += [-1] * len(delta) + (unpack(turn.versions, "int32") if learn else [-1] * n)  # type: ignore[operator]
             seq.returns += [0.0] * len(delta) + [rets[i] if learn else 0.0] * n
+            seq.temperatures += [float(turn.temperature)] * (len(delta) + n)
         if any(seq.loss_mask):
             out.append(seq)
     return out
