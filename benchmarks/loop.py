@@ -107,6 +107,7 @@ GRID_S = 0.5
 DEFAULT_BUDGET_S = 400.0  # the demo's RL phase: 570 s in all, less SFT (~1.5-2 min), evals and the end reserve
 ENGINE_MAX_BATCH = 64  # the demo's --max-batch-size
 CORES = os.cpu_count() or 1
+OTHER_WARN_PCT = 10.0  # other work's share of the machine above which the report warns
 COUNTERS = ("rollway_admission_refused_total", "rollway_resubmits_total", "rollway_groups_dropped_stale_total",
             "rollway_weight_publish_seconds_sum", "rollway_weight_publish_seconds_count")
 
@@ -272,6 +273,7 @@ async def drive_rollway(gateway: str, key: str, trainer: subprocess.Popen[bytes]
         await runner.close()
     return {"t0": t0, "t_end": t_end, "cpu": cpu_shares(cpu0, cpu1, t_end - t0), "groups": groups,
             "groups_failed": failed, "first_error": first_error, "trainer_rc": trainer.returncode,
+            "trainer_exited_early": t_end < deadline - 1.0,
             "weight_version": version, "heldout_end": end["eval_mean_reward"]}
 
 
@@ -370,6 +372,7 @@ def summarize_rollway(res: dict[str, Any], rows: list[dict[str, Any]], counters:
     publish_n = counters.get("rollway_weight_publish_seconds_count", 0.0)
     return {
         "side": "rollway", "wall_s": round(wall, 1), "steps": len(rows),
+        "omp_threads": os.environ.get("OMP_NUM_THREADS"),
         "first_step_s": round(rows[0]["time"] - t0, 1) if rows else None,
         "steps_per_s": round(len(rows) / wall, 4),
         "samples_in_per_s": round(sum(int(r.get("reward_n", 0)) for r in rows) / wall, 2),
@@ -394,6 +397,7 @@ def summarize_rollway(res: dict[str, Any], rows: list[dict[str, Any]], counters:
                    "in_flight_mean": flight["mean"], "in_flight_idle_pct": flight["idle_pct"],
                    "in_flight_full_pct": flight["full_pct"]},
         "groups_failed": res["groups_failed"], "first_error": res["first_error"], "trainer_rc": res["trainer_rc"],
+        "trainer_exited_early": res["trainer_exited_early"],
         "config": config,
     }
 
@@ -401,16 +405,17 @@ def summarize_rollway(res: dict[str, Any], rows: list[dict[str, Any]], counters:
 # --- TRL's side -------------------------------------------------------------------------------------------
 
 
-def run_trl(model: Path, sdir: Path, seed: int, budget: float, eval_tasks: list[dict[str, Any]]) -> dict[str, Any]:
+def run_trl(model: Path, sdir: Path, seed: int, budget: float, eval_tasks: list[dict[str, Any]],
+            threads: int) -> dict[str, Any]:
     wd = sdir / "trl"
     shutil.rmtree(wd, ignore_errors=True)
     wd.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(CORES), "TOKENIZERS_PARALLELISM": "false"}
-    log(f"seed {seed}: TRL GRPOTrainer for {budget:.0f} s ({CORES} threads)")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    log(f"seed {seed}: TRL GRPOTrainer for {budget:.0f} s ({threads} threads)")
     with open(wd / "trl.log", "ab") as tlog:
         proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "trl_side.py"), "--model", str(model),
                                  "--out", str(wd), "--budget", str(budget), "--seed", str(seed),
-                                 "--threads", str(CORES)],
+                                 "--threads", str(threads)],
                                 env=env, stdout=tlog, stderr=subprocess.STDOUT,
                                 preexec_fn=die_with_parent(signal.SIGTERM))
         try:
@@ -421,10 +426,12 @@ def run_trl(model: Path, sdir: Path, seed: int, budget: float, eval_tasks: list[
         tail = (wd / "trl.log").read_text(errors="replace")[-3000:]
         raise RuntimeError(f"seed {seed}: trl_side.py exited with {rc}:\n{tail}")
     summary = json.loads((wd / "summary.json").read_text())
-    rows = [r for r in _read_steps(wd / "steps.jsonl") if r["time"] <= summary["t_end"]]
+    # It stops at the first step end past the budget; that step is not counted (rollway's trainer is stopped
+    # at the budget), but it is in the final weights (as a step rollway's trainer publishes while being stopped)
+    t0, wall = summary["t0"], min(summary["t_end"] - summary["t0"], budget)
+    rows = [r for r in _read_steps(wd / "steps.jsonl") if r["time"] <= t0 + wall]
     log(f"seed {seed}: TRL held-out eval (its final weights in a fresh engine + gateway)")
     end = heldout(wd / "final", wd / "eval-end", eval_tasks)
-    t0, wall = summary["t0"], summary["t_end"] - summary["t0"]
     batch = GROUPS_PER_STEP * N_SAMPLES
     points = [(r["time"] - t0, float(r["reward"]), batch) for r in rows]
     later = rows[1:]
@@ -433,11 +440,12 @@ def run_trl(model: Path, sdir: Path, seed: int, budget: float, eval_tasks: list[
         vals = [float(r[key]) for r in later if r.get(key) is not None]
         return round(statistics.fmean(vals), 3) if vals else None
 
-    cpu_ms = (summary["cpu1"] - summary["cpu0"]) * 1000.0
+    cpu_ms = (summary["cpu1"] - summary["cpu0"]) * 1000.0  # train begin to the last step's end
     busy_ms = (summary["busy1"] - summary["busy0"]) * 1000.0
-    total = wall * 1000.0 * CORES
+    total = (summary["t_end"] - t0) * 1000.0 * CORES
     return {
-        "side": "trl", "wall_s": round(wall, 1), "steps": len(rows),
+        "side": "trl", "wall_s": round(wall, 1), "steps": len(rows), "threads": threads,
+        "overshoot_s": round(summary["t_end"] - t0 - wall, 1), "steps_run": summary["steps"],
         "first_step_s": round(rows[0]["time"] - t0, 1) if rows else None,
         "steps_per_s": round(len(rows) / wall, 4),
         "samples_in_per_s": round(len(rows) * batch / wall, 2), "trained_per_s": round(len(rows) * batch / wall, 2),
@@ -490,6 +498,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
+def ratio_bound(a: float | None, b: float | None, budget: float) -> str | None:
+    """When one side reached the threshold and the other did not within the budget: the bound on the ratio."""
+    if a is not None and b is None:
+        return f"<{a / budget:.3f}"
+    if a is None and b is not None:
+        return f">{budget / b:.3f}"
+    return None
+
+
 def spread(values: list[float | None]) -> dict[str, Any]:
     vals = [v for v in values if v is not None]
     if not vals:
@@ -534,7 +551,7 @@ def config_rows(r: dict[str, Any] | None, t: dict[str, Any] | None) -> list[tupl
         ("new tokens", "8 (agent max_tokens)" if c else "-", tr("{max_completion_length}")),
         ("precision", "float32" if c else "-", tr("{dtype}, bf16 {bf16}, gradient_checkpointing {gradient_checkpointing}")),
         ("processes / threads", f"trainer 1 rank + engine + gateway + runner, OMP_NUM_THREADS "
-                                f"{os.environ.get('OMP_NUM_THREADS', '?')} each; engine batch <= {ENGINE_MAX_BATCH}, "
+                                f"{(r or {}).get('omp_threads', '?')} each; engine batch <= {ENGINE_MAX_BATCH}, "
                                 f"{GROUPS_IN_FLIGHT} groups in flight" if c else "-",
          tr("{processes} process, {torch_threads} torch threads, {generation}")),
         ("tasks", "file order, cycled" if c else "-", tr("shuffled ({shuffle_dataset})")),
@@ -578,6 +595,12 @@ def print_report(results: list[dict[str, Any]], summary: dict[str, Any]) -> None
                   f"{s['heldout_start']:>5.3f} -> {x['heldout_end']:.3f}  {cpu}")
 
     for s in results:
+        if s.get("rollway") and s.get("trl"):
+            print(f"  seed {s['seed']}: time ratio rollway / TRL "
+                  + ", ".join(f"to {thr}: {fmt(s[f'ratio_ttt_{thr}'] or s[f'ratio_ttt_{thr}_bound'])}"
+                              for thr in THRESHOLDS)
+                  + f"; held-out end rollway {s['rollway']['heldout_end']:.3f}, TRL {s['trl']['heldout_end']:.3f}")
+    for s in results:
         r, t = s.get("rollway"), s.get("trl")
         if r:
             e = r["engine"]
@@ -586,15 +609,24 @@ def print_report(results: list[dict[str, Any]], summary: dict[str, Any]) -> None
             print(f"    filtered {r['filtered_frac']:.1%} of leased groups, {r['groups_stale_dropped']} dropped stale, "
                   f"staleness mean {fmt(r['staleness_mean'])} max {r['staleness_max']}, 429s {r['admission_429s']}, "
                   f"resubmits {r['resubmits']}, generated {r['generated_per_s']}/s, groups failed "
-                  f"{r['groups_failed']}, trainer exit {r['trainer_rc']}")
+                  f"{r['groups_failed']}, trainer "
+                  + ("EXITED BEFORE THE BUDGET (see trainer.log)" if r["trainer_exited_early"]
+                     else "stopped at the budget"))
             print(f"    engine: batch occupancy and paused time not exposed; generations in flight (gateway) mean "
                   f"{e['in_flight_mean']} of {ENGINE_MAX_BATCH}, none {e['in_flight_idle_pct']}% / full "
                   f"{e['in_flight_full_pct']}% of the time; publishes {e['publish_s_total']} s in all "
                   f"({fmt(e['publish_s_mean'])} s each; the engine is paused within them)")
         if t:
-            print(f"  seed {s['seed']} TRL: time per step (after the first; first at {fmt(t['first_step_s'])} s): "
+            print(f"  seed {s['seed']} TRL ({t['threads']} threads; its last step ended {t['overshoot_s']} s past the "
+                  f"budget and is not counted): time per step (after the first; first at {fmt(t['first_step_s'])} s): "
                   + ", ".join(f"{k} {fmt(v)}" for k, v in t["time_split"].items())
                   + f"; zero-std groups {fmt(t['zero_std_frac'], '.1%')}")
+
+    busy = [f"seed {s['seed']} {side} {s[side]['cpu']['other']}%" for s in results for side in ("rollway", "trl")
+            if s.get(side) and s[side]["cpu"].get("other", 0) > OTHER_WARN_PCT]
+    if busy:
+        print(f"\nWARNING: other work took more than {OTHER_WARN_PCT}% of the machine during: {', '.join(busy)}. "
+              "Times are not comparable; rerun on a quiet machine.")
 
     if summary.get("across"):
         a = summary["across"]
@@ -604,6 +636,15 @@ def print_report(results: list[dict[str, Any]], summary: dict[str, Any]) -> None
                            ("heldout_gain_rollway", "held-out gain, rollway"), ("heldout_gain_trl", "held-out gain, TRL")):
             v = a[key]
             print(f"  {label:<28} {fmt(v['median'])} [{fmt(v['min'])}..{fmt(v['max'])}] n={v['n']}")
+        for thr in THRESHOLDS:
+            bounds = [f"seed {s['seed']} {s[f'ratio_ttt_{thr}_bound']}" for s in results
+                      if s.get(f"ratio_ttt_{thr}_bound")]
+            if bounds:
+                print(f"  time to {thr}, rollway / TRL, one side only within the budget: {', '.join(bounds)}")
+            for side in ("rollway", "trl"):
+                v = a[f"ttt_{thr}_{side}"]
+                print(f"  time to {thr}, {side:<8} {fmt(v['median'])} s [{fmt(v['min'])}..{fmt(v['max'])}] "
+                      f"reached in {v['n']} of {len(results)} seeds")
         for side in ("rollway", "trl"):
             if a.get(f"cpu_{side}"):
                 print(f"  CPU %, {side:<8} " + ", ".join(f"{k} {fmt(v['median'])} [{fmt(v['min'])}..{fmt(v['max'])}]"
@@ -635,6 +676,9 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("runs/bench-loop"),
                         help="warm-up cache and per-seed run folders (default: %(default)s)")
     parser.add_argument("--eval-tasks", type=int, default=EVAL_TASKS, help=f"held-out tasks (default {EVAL_TASKS})")
+    parser.add_argument("--trl-threads", type=int, default=CORES,
+                        help=f"TRL's torch threads (default: every core, {CORES}). On a loaded machine threads "
+                             "beyond the idle cores slow it down (each parallel region waits for its slowest thread)")
     parser.add_argument("--skip-trl", action="store_true", help="rollway's side only")
     parser.add_argument("--skip-rollway", action="store_true", help="TRL's side only")
     args = parser.parse_args()
@@ -667,7 +711,7 @@ def main() -> int:
             if side == "rollway" and not args.skip_rollway:
                 s["rollway"] = run_rollway(model, sdir, seed, args.budget, tasks, eval_tasks)
             elif side == "trl" and not args.skip_trl:
-                s["trl"] = run_trl(model, sdir, seed, args.budget, eval_tasks)
+                s["trl"] = run_trl(model, sdir, seed, args.budget, eval_tasks, args.trl_threads)
             if s.get(side):
                 x = s[side]
                 log(f"seed {seed}: {side}: {x['steps']} steps, rolling reward max {fmt(x['reward_window_max'])}, "
@@ -675,7 +719,9 @@ def main() -> int:
                     f"{s['heldout_start']:.3f} -> {x['heldout_end']:.3f}")
         if s.get("rollway") and s.get("trl"):
             for thr in THRESHOLDS:
-                s[f"ratio_ttt_{thr}"] = ratio(s["rollway"][f"ttt_{thr}"], s["trl"][f"ttt_{thr}"])
+                a, b = s["rollway"][f"ttt_{thr}"], s["trl"][f"ttt_{thr}"]
+                s[f"ratio_ttt_{thr}"] = ratio(a, b)
+                s[f"ratio_ttt_{thr}_bound"] = ratio_bound(a, b, args.budget)
         results.append(s)
 
     summary: dict[str, Any] = {"benchmark": "loop", "seeds": args.seeds, "budget_s": args.budget,

@@ -163,7 +163,7 @@ def main() -> int:
                     processing_class=tokenizer, callbacks=[Clock()])
     effective = {
         "lr": cfg.learning_rate, "lr_schedule": cfg.lr_scheduler_type, "warmup_steps": cfg.warmup_steps,
-        "optimizer": str(cfg.optim), "adam_betas": [cfg.adam_beta1, cfg.adam_beta2], "adam_eps": cfg.adam_epsilon,
+        "optimizer": str(getattr(cfg.optim, "value", cfg.optim)), "adam_betas": [cfg.adam_beta1, cfg.adam_beta2], "adam_eps": cfg.adam_epsilon,
         "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm,
         "clip": [cfg.epsilon, trainer.epsilon_high], "loss_type": cfg.loss_type,
         "importance_sampling_level": cfg.importance_sampling_level, "beta_kl": cfg.beta,
