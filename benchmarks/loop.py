@@ -3,7 +3,7 @@ checkpoint, with the same learning settings, each for the same wall-clock budget
 reward rises, and the held-out greedy accuracy each ends with.
 
     python benchmarks/loop.py                                  # seed 0, 400 s each (the demo's RL phase)
-    python benchmarks/loop.py --seeds 0 1 2                    # medians and spreads (~45 min on 2 cores)
+    python benchmarks/loop.py --seeds 0 1 2                    # medians and spreads (~50 min on 2 cores)
     python benchmarks/loop.py --seeds 0 --budget 90            # a smoke run (~7 min, warm-up cached)
     python benchmarks/loop.py --skip-trl                       # rollway's side only (no TRL needed)
 
