@@ -205,8 +205,8 @@ class SGLangClient:
             async with self._session.get(self.url + "/health", timeout=self._health_timeout) as resp:
                 await resp.read()
                 return resp.status == 200
-        except _TRANSPORT_ERRORS:  # recovery: an unreachable server is simply not healthy
-            return False
+        except (*_TRANSPORT_ERRORS, aiohttp.ClientError, ValueError):  # recovery: unreachable, or a URL no
+            return False  # client can use (a registry row written before URLs were checked) is not healthy
 
     async def flush_cache(self) -> bool:
         """Flush the prefix cache. False when the server refused because requests are running."""
