@@ -28,7 +28,7 @@ from gateway.settings import Settings
 from tests.harness import ADMIN_KEY, LiveGateway
 
 DEFAULT_EXAMPLES = 12
-SLOW_EXAMPLES = int(os.environ.get("ROLLWAY_FUZZ_EXAMPLES", "150"))
+SLOW_EXAMPLES = int(os.environ.get("ROLLWAY_FUZZ_EXAMPLES", "60"))
 
 
 def test_every_route_is_documented(tiny_model_dir: Any) -> None:
