@@ -644,7 +644,7 @@ def print_report(results: list[dict[str, Any]], summary: dict[str, Any]) -> None
             for side in ("rollway", "trl"):
                 v = a[f"ttt_{thr}_{side}"]
                 print(f"  time to {thr}, {side:<8} {fmt(v['median'])} s [{fmt(v['min'])}..{fmt(v['max'])}] "
-                      f"reached in {v['n']} of {len(results)} seeds")
+                      f"reached in {v['n']} of {a[f'seeds_{side}']} seeds")
         for side in ("rollway", "trl"):
             if a.get(f"cpu_{side}"):
                 print(f"  CPU %, {side:<8} " + ", ".join(f"{k} {fmt(v['median'])} [{fmt(v['min'])}..{fmt(v['max'])}]"
@@ -657,6 +657,7 @@ def across(results: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"ratio_ttt_{thr}"] = spread([s.get(f"ratio_ttt_{thr}") for s in results])
     for side in ("rollway", "trl"):
         done = [s for s in results if s.get(side)]
+        out[f"seeds_{side}"] = len(done)
         out[f"heldout_end_{side}"] = spread([s[side]["heldout_end"] for s in done])
         out[f"heldout_gain_{side}"] = spread([s[side]["heldout_end"] - s["heldout_start"] for s in done])
         for thr in THRESHOLDS:
