@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_procs import Procs  # noqa: E402
 
-from rollway.demo import GROUPS_IN_FLIGHT, GROUPS_PER_STEP, N_SAMPLES, RL_LR, _read_steps, _sft  # noqa: E402
+from rollway.demo import GROUPS_IN_FLIGHT, GROUPS_PER_STEP, N_SAMPLES, RL_LR, SFT_MAX_STEPS, _read_steps, _sft  # noqa: E402
 from rollway.embedded import free_port, wait_healthy  # noqa: E402
 from rollway.paths import agent_file  # noqa: E402
 from rollway.rollout import Runner, load_agent, load_tasks  # noqa: E402
@@ -83,7 +83,7 @@ def warmed_up_model(out: Path, seed: int, tasks: list[dict[str, Any]]) -> Path:
     from engine.tiny_model import create_tiny_model
 
     print(f"SFT warm-up into {warm} (~3 minutes on 2 cores)", flush=True)
-    return _sft(warm, create_tiny_model(warm / "model-init", seed=seed), tasks, seed)
+    return _sft(warm, create_tiny_model(warm / "model-init", seed=seed), tasks, seed, SFT_MAX_STEPS)
 
 
 # --- rollouts ---------------------------------------------------------------------------------------------
