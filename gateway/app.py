@@ -50,7 +50,8 @@ def load_template(settings: Settings) -> ChatTemplate:
     tok = AutoTokenizer.from_pretrained(settings.tokenizer)
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"the tokenizer in {settings.tokenizer} has no chat template")
-    return ChatTemplate(tok, tool_parser=settings.tool_parser)
+    return ChatTemplate(tok, tool_parser=settings.tool_parser,
+                        allow_special_tokens_in_content=settings.allow_special_tokens_in_content)
 
 
 def config_context_length(tokenizer_dir: str) -> int | None:

@@ -13,6 +13,19 @@ matches single words only (those look across piece boundaries), and no Metaspace
 first piece of the input only (`prepend_scheme: "first"`, Mistral-style: each piece would be a first one).
 At start, piece-wise and whole-text encodes of probe strings around every added token must agree. Anything
 else encodes the whole text, as before.
+
+Text from messages never becomes a control token. A rendered prompt is template markup and message text (content
+of every role, tool results, tool-call names and arguments, tool schemas) in one string, and the tokenizer cannot
+tell them apart: user content "<|im_end|>\\n<|im_start|>system\\n..." would be encoded as a real end of turn and a
+forged system turn, in the prompt sent to the model and in the recorded training data. So the strings a template
+is given are checked first (`forged`, one regex over their JSON: the hot path pays a few microseconds); where one
+holds the text of a protected token (special, or matched on raw text: markup-like), those strings are `mark`ed
+before rendering, each such token replaced by one private-use character (plane 16), and the marked render is
+encoded with `encode_marked`: the tokens still in it are the template's own, and the pieces between them that hold
+marks are encoded as plain text (the tokenizer without its protected added tokens, as `split_special_tokens` does
+for special ones), so a hostile string costs only its own pieces. Hosted chat APIs behave the same way.
+Limit: a token spelled across two separate strings that a template renders next to each other is not seen (no
+template here does that; roles are a fixed set).
 """
 
 from __future__ import annotations
@@ -20,11 +33,23 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
+
+import orjson
+
+from gateway.errors import BadRequest
+
+MARK_BASE = 0x100000
+"""First code point of the marks that stand for protected tokens in message text (Unicode plane 16, private use:
+no text means anything by them, and a template's filters, `trim`, `tojson` (ensure_ascii=False) and case
+changes, leave them alone)."""
 
 
 class CachedEncoder:
-    def __init__(self, tokenizer: Any, *, max_cached_chars: int = 4_000_000) -> None:
+    def __init__(self, tokenizer: Any, *, max_cached_chars: int = 4_000_000, protect_content: bool = True) -> None:
+        """`protect_content`: text from messages never becomes a protected token (see the module docstring);
+        False keeps what a plain render + encode does (special-token text in content is the token)."""
         self._tokenizer = tokenizer
         self._max_chars = max_cached_chars
         self._chars = 0
@@ -33,6 +58,7 @@ class CachedEncoder:
         self._specials: dict[str, int] = {}
         self._split: re.Pattern[str] | None = None
         self._batch_fast: Any = None
+        self._guard: _ContentGuard | None = _ContentGuard(tokenizer) if protect_content else None
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None or backend.truncation is not None or backend.padding is not None:
             return
@@ -64,6 +90,50 @@ class CachedEncoder:
         """Whether pieces are encoded (and cached) one by one; False: whole-text encodes."""
         return self._backend is not None
 
+    @property
+    def protected_ids(self) -> frozenset[int]:
+        """Ids that text from messages never becomes (empty when content is not protected)."""
+        return self._guard.ids if self._guard is not None else frozenset()
+
+    # --- message text ------------------------------------------------------------------------------
+
+    def forged(self, *values: Any) -> bool:
+        """Whether a string in `values` (JSON-like: dicts, lists, strings; keys count) holds a protected token's
+        text (or a mark character); False when content is not protected. May say True for a string that holds
+        neither (then `mark` changes nothing and `encode_marked` gives `encode`'s ids): never False for one that does."""
+        return self._guard is not None and self._guard.forged(values)
+
+    def mark(self, value: Any) -> Any:
+        """A copy of `value` with protected tokens in its strings (keys too) replaced by their marks."""
+        assert self._guard is not None
+        return self._guard.mark(value)
+
+    def unmark(self, text: str) -> str:
+        """A marked render as the text it stands for (marks back to the tokens' text)."""
+        assert self._guard is not None
+        return self._guard.unmark(text)
+
+    def encode_marked(self, text: str) -> list[int]:
+        """A marked render to ids: the protected tokens in it (the template's own) as their ids, the pieces
+        between them that hold marks as plain text; the rest exactly as `encode` gives it."""
+        guard = self._guard
+        assert guard is not None
+        if not guard.has_marks(text):
+            return self.encode(text)
+        out: list[int] = []
+        run: list[str] = []  # unmarked text, with the template's tokens in it: encoded as usual, in one go
+        for i, part in enumerate(guard.split(text)):
+            if i % 2 == 0 and guard.has_marks(part):
+                if run:
+                    out.extend(self.encode("".join(run)))
+                    run.clear()
+                out.extend(guard.plain(guard.unmark(part)))
+            elif part:
+                run.append(part)
+        if run:
+            out.extend(self.encode("".join(run)))
+        return out
+
     def encode(self, text: str) -> list[int]:
         """`text` to ids, no special tokens added (a template that wants a BOS renders it)."""
         if self._backend is None:
@@ -94,6 +164,147 @@ class CachedEncoder:
                 old, _ = cache.popitem(last=False)
                 self._chars -= len(old)
         return ids
+
+
+class _ContentGuard:
+    """The protected tokens of a tokenizer, their marks, and a plain-text encoder that never produces them.
+
+    Protected: every added token that is special, or that the tokenizer matches on raw text (`normalized:
+    false`: markup such as Qwen's non-special <tool_call> and <think>). Added tokens matched after
+    normalization and not special are vocabulary (words, whitespace runs): text encodes to them as usual.
+    Token i's mark is chr(MARK_BASE + i); chr(MARK_BASE + n) escapes a mark character that a string holds
+    itself (followed by that character), so every string comes back exactly."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        protected: dict[str, int] = {}
+        for token_id, added in _added_tokens(tokenizer):
+            content = str(added.content)
+            if content and (getattr(added, "special", True) or not getattr(added, "normalized", False)):
+                protected.setdefault(content, int(token_id))
+        tokens = sorted(protected, key=lambda t: protected[t])
+        if len(tokens) + 1 > 0xFFFE:
+            raise ValueError(f"{len(tokens)} protected tokens: more than there are marks for")
+        self.ids = frozenset(protected.values())
+        self._text = tokens  # mark index -> token text
+        self._mark_of = {t: chr(MARK_BASE + i) for i, t in enumerate(tokens)}
+        self._escape = chr(MARK_BASE + len(tokens))
+        marks = f"[{chr(MARK_BASE)}-{self._escape}]"
+        # Longest first: at one position the longest token wins (leftmost-longest, as tokenizers match).
+        longest = sorted(tokens, key=len, reverse=True)
+        alternatives = "|".join(re.escape(t) for t in longest) or "(?!)"
+        self._tokens_rx = re.compile(f"({alternatives})")
+        self._mark_rx = re.compile(f"({alternatives})|({marks})")
+        self._unmark_rx = re.compile(f"{re.escape(self._escape)}(.?)|{marks}", re.DOTALL)
+        self._marks_rx = re.compile(marks)
+        # The same search over the strings' JSON (orjson: each character escaped on its own, so a string holds a
+        # token iff its JSON holds the token's JSON). Any plane-16 character (UTF-8 lead byte F4) takes the slow
+        # path: it may be a mark character to escape.
+        in_json = b"|".join(re.escape(orjson.dumps(t)[1:-1]) for t in longest)
+        self._json_rx = re.compile(in_json + b"|\xf4" if in_json else b"\xf4")
+        self._tokenizer = tokenizer
+        self._plain_backend = _without_protected(tokenizer, protected)
+
+    def forged(self, values: Any) -> bool:
+        try:
+            data = orjson.dumps(values)
+        except TypeError:  # not plain JSON (a non-string key, a lone surrogate): look at every string
+            return any(self._mark_rx.search(s) is not None for s in _strings(values))
+        return self._json_rx.search(data) is not None
+
+    def mark(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self._mark_rx.sub(self._mark_one, value)
+        if isinstance(value, dict):
+            return {self.mark(k): self.mark(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.mark(v) for v in value]
+        return value
+
+    def _mark_one(self, m: re.Match[str]) -> str:
+        token = m.group(1)
+        return self._mark_of[token] if token is not None else self._escape + m.group(2)
+
+    def unmark(self, text: str) -> str:
+        return self._unmark_rx.sub(self._unmark_one, text)
+
+    def _unmark_one(self, m: re.Match[str]) -> str:
+        escaped = m.group(1)
+        if escaped is not None:  # the escape and the character it keeps
+            return escaped
+        return self._text[ord(m.group(0)) - MARK_BASE]
+
+    def has_marks(self, text: str) -> bool:
+        return self._marks_rx.search(text) is not None
+
+    def split(self, text: str) -> list[str]:
+        """`text` cut at protected tokens, the tokens kept at odd positions."""
+        return self._tokens_rx.split(text)
+
+    def plain(self, text: str) -> list[int]:
+        """`text` as plain text: no protected token is matched in it."""
+        ids = self._encode_plain(text)
+        if self.ids.isdisjoint(ids):
+            return ids
+        # The model's own vocabulary spells a protected token from plain text (a BPE whose merges build it): one
+        # character at a time cannot, unless the token is a single character.
+        ids = [i for ch in text for i in self._encode_plain(ch)]
+        if self.ids.isdisjoint(ids):
+            return ids
+        raise BadRequest(
+            "the messages hold text that this model's tokenizer can only encode as a control token", param="messages"
+        )
+
+    def _encode_plain(self, text: str) -> list[int]:
+        if self._plain_backend is not None:
+            return list(self._plain_backend.encode(text, add_special_tokens=False).ids)
+        # A tokenizer without a Rust one: its own switch (special tokens only; plain() checks the ids).
+        return list(self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+
+def _added_tokens(tokenizer: Any) -> list[tuple[int, Any]]:
+    """(id, AddedToken) of every added token (transformers' view, else the Rust tokenizer's)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None)
+    if not decoder:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = backend.get_added_tokens_decoder() if backend is not None else {}
+    return list(decoder.items())
+
+
+def _strings(value: Any) -> Iterable[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+def _without_protected(tokenizer: Any, protected: dict[str, int]) -> Any:
+    """A copy of the Rust tokenizer that does not match the protected added tokens (their text is plain text to
+    it), with no truncation, padding or post-processing; None without a Rust tokenizer.
+
+    The protected tokens stay in it, marked special, and special tokens are encoded as text
+    (`encode_special_tokens`, what transformers' split_special_tokens sets): dropping them instead would
+    renumber the added tokens after them."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    state = json.loads(backend.to_str())
+    for added in state.get("added_tokens") or []:
+        if added.get("content") in protected:
+            added["special"] = True
+    state["truncation"] = state["padding"] = state["post_processor"] = None
+    plain = Tokenizer.from_str(json.dumps(state))
+    plain.encode_special_tokens = True
+    ids = {i: t.content for i, t in plain.get_added_tokens_decoder().items()}
+    if ids != {i: t.content for i, t in backend.get_added_tokens_decoder().items()}:
+        return None  # not the same ids: the tokenizer's own split_special_tokens (plain() checks what it gives)
+    return plain
 
 
 def _prepends_to_first_only(backend: Any) -> bool:

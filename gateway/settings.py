@@ -79,6 +79,11 @@ class Settings(BaseSettings):
     """Tool-call format of the model: hermes | llama3_json."""
     reasoning: bool = True
     """Split a leading <think>...</think> into `reasoning_content`."""
+    allow_special_tokens_in_content: bool = False
+    """Text in messages and tools that spells a special or markup token (`<|im_end|>`, `<tool_call>`) becomes
+    that token, as a plain render + tokenize does. Off (the default), such text is tokenized as plain text, as
+    hosted APIs do: a message cannot forge turns in the prompt or in the recorded training data. Turn it on
+    only when every caller is trusted to put markup into content on purpose."""
     context_length: int = 0
     """Fallback context length when neither the backend nor config.json says (0 = unknown)."""
     max_body_bytes: int = 8 * 1024 * 1024

@@ -8,6 +8,11 @@ text, after the "bridge" the template puts between the end-of-turn token and the
 "\\n", which the model never generates; verl#6921 lost it), are the extension. Templates that rewrite
 history (strip old reasoning, add date lines) are not prefix stable there; the caller then starts a new
 chain.
+
+Only the template's own markup becomes special tokens: text from the messages and tools that spells one
+("<|im_end|>\\n<|im_start|>system\\n..." in a user message or a tool result) is encoded as plain text, in first
+turns and extensions alike (gateway.encoding, "Text from messages never becomes a control token").
+`allow_special_tokens_in_content` turns that off for callers who put markup into content on purpose.
 """
 
 from __future__ import annotations
@@ -143,7 +148,11 @@ class ChatTemplate:
         end_of_turn: str | None = None,
         generation_eos_ids: Sequence[int] | None = None,
         chat_template: str | None = None,
+        allow_special_tokens_in_content: bool = False,
     ) -> None:
+        """`allow_special_tokens_in_content`: text from messages and tools that spells a special token becomes
+        that token, as a plain render + encode does (for trusted callers that put markup into content on
+        purpose); by default it is plain text (module docstring)."""
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         """Replaces the tokenizer's own template when given (tests render other families on one tokenizer)."""
@@ -163,7 +172,7 @@ class ChatTemplate:
         self._stop_set = frozenset(self.stop_token_ids)
         self._markers = tuple(self.decode([i]) for i in self.stop_token_ids)
         self._longest_marker = max(map(len, self._markers), default=1)
-        self._encoder = CachedEncoder(tokenizer)
+        self._encoder = CachedEncoder(tokenizer, protect_content=not allow_special_tokens_in_content)
         self._variables = dict(tokenizer.special_tokens_map)
 
     # --- rendering ---------------------------------------------------------------------------------
@@ -171,8 +180,23 @@ class ChatTemplate:
     def render_text(
         self, messages: Sequence[Message], tools: Sequence[Any] | None, *, add_generation_prompt: bool = True
     ) -> str:
+        """The rendered prompt text (message text as the client sent it)."""
+        hf_messages, hf_tools, marked = self._template_input(messages, tools)
+        text = self._render(hf_messages, hf_tools, add_generation_prompt)
+        return self._encoder.unmark(text) if marked else text
+
+    def _template_input(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None
+    ) -> tuple[list[dict[str, Any]], list[Any] | None, bool]:
+        """Messages and tools in the form the template takes, and whether their strings were marked (some spell
+        a protected token: its marks render instead, and `_encode` turns them into plain text)."""
         hf_messages = [hf_message(m) for m in messages]
         hf_tools = drop_none(list(tools)) if tools else None
+        if not self._encoder.forged(hf_messages, hf_tools):
+            return hf_messages, hf_tools, False
+        return self._encoder.mark(hf_messages), self._encoder.mark(hf_tools), True
+
+    def _render(self, hf_messages: list[dict[str, Any]], hf_tools: list[Any] | None, add_generation_prompt: bool) -> str:
         template = self.tokenizer.get_chat_template(self.chat_template, hf_tools)
         compiled = _compiled(template)
         if compiled is None:  # a transformers without the compiled-template cache: its public path
@@ -185,15 +209,23 @@ class ChatTemplate:
         return str(compiled.render(messages=hf_messages, tools=hf_tools, documents=None,
                                    add_generation_prompt=add_generation_prompt, **self._variables))
 
+    def _encode(self, text: str, marked: bool) -> list[int]:
+        return self._encoder.encode_marked(text) if marked else self._encoder.encode(text)
+
     def encode(self, text: str) -> list[int]:
-        """Text to ids; no BOS is added (a template that wants one renders it)."""
+        """Text to ids; no BOS is added (a template that wants one renders it). Special-token text in `text` is
+        the token: this is for text that is all markup or all the model's (a rendered prompt goes through
+        render_prompt, which keeps message text plain)."""
         return self._encoder.encode(text)
 
     def render_prompt(self, messages: Sequence[Message], tools: Sequence[Any] | None) -> tuple[list[int], str]:
         """The prompt of a first turn (or of a new chain): the whole conversation + generation prompt, as
         ids and as the rendered text."""
-        text = self.render_text(messages, tools, add_generation_prompt=True)
-        return self.encode(text), text
+        hf_messages, hf_tools, marked = self._template_input(messages, tools)
+        text = self._render(hf_messages, hf_tools, True)
+        if not marked:
+            return self._encoder.encode(text), text
+        return self._encoder.encode_marked(text), self._encoder.unmark(text)
 
     def extension(
         self,
@@ -217,15 +249,18 @@ class ChatTemplate:
         """
         if not prev_messages or not new_messages:
             raise ValueError("extension needs the parent's messages and at least one new message")
-        full = self.render_text([*prev_messages, *new_messages], tools, add_generation_prompt=True)
-        prefix = self.render_text(prev_messages, tools, add_generation_prompt=False)
+        hf_all, hf_tools, marked = self._template_input([*prev_messages, *new_messages], tools)
+        hf_prev = hf_all[: len(prev_messages)]
+        full = self._render(hf_all, hf_tools, True)
+        prefix = self._render(hf_prev, hf_tools, False)
         if not full.startswith(prefix):
             return None
         # The reply's end-of-turn is the last stop marker inside the reply's own rendering: a template that
         # renders a final assistant message unterminated would otherwise send us back to the end of an
         # earlier message. The reply starts where the rendering of what came before it stops agreeing.
-        if parent_prompt is None:
-            parent_prompt = self.render_text(prev_messages[:-1], tools, add_generation_prompt=False)
+        # Marked renders are compared with marked renders only: the kept text is the client's.
+        if parent_prompt is None or marked:
+            parent_prompt = self._render(hf_prev[:-1], hf_tools, False)
         # The parent's prompt ends with the generation prompt, which may share leading characters with the
         # reply's end marker (an empty reply): step back so the marker is searched for from its start.
         reply_start = max(0, _common_prefix_len(parent_prompt, prefix) - self._longest_marker + 1)
@@ -239,7 +274,7 @@ class ChatTemplate:
         text = prefix[end:] + full[len(prefix) :]
         if not prev_completion_ids or prev_completion_ids[-1] not in self._stop_set:
             text = self.end_of_turn + text  # cut off by max_tokens (or aborted): close the turn
-        return self.encode(text), full
+        return self._encode(text, marked), (self._encoder.unmark(full) if marked else full)
 
     # --- replies -----------------------------------------------------------------------------------
 
