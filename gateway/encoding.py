@@ -75,9 +75,8 @@ class CachedEncoder:
         self._specials = specials
         self._batch_fast = getattr(backend, "encode_batch_fast", None)  # tokenizers >= 0.21: skips offsets
         if specials:
-            # Longest first: at one position the longest added token wins (leftmost-longest, as tokenizers).
-            alternatives = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
-            self._split = re.compile(f"({alternatives})")
+            # At one position the longest added token wins (leftmost-longest, as tokenizers); a trie (_any_of).
+            self._split = re.compile(f"({_any_of(specials)})")
         for special in specials:
             for probe in (f"{special}x", f"x{special}y", f"{special}\n x", f" {special} {special}Hello"):
                 if self.encode(probe) != list(backend.encode(probe, add_special_tokens=False).ids):

@@ -109,3 +109,16 @@ def test_metaspace_tokenizers_encode_exactly(scheme: str) -> None:
     assert enc.piecewise is (scheme == "always")
     for text in ["<s>Hello", "<s>[INST] Hello there[/INST] world</s>", "Hello<s>", "[INST]the fox[/INST]"]:
         assert enc.encode(text) == tok.encode(text, add_special_tokens=False), text
+
+
+def test_many_added_tokens_split_exactly() -> None:
+    """Llama 3 has 256 special tokens, most of them `<|reserved_special_token_N|>`: the split pattern is a trie
+    over them (a flat alternation tried every branch at each "<"), still leftmost-longest."""
+    tok = copy.deepcopy(llama31_tokenizer())
+    tok.add_special_tokens({"additional_special_tokens": [f"<|reserved_special_token_{i}|>" for i in range(250)]})
+    enc = CachedEncoder(tok)
+    assert enc.piecewise
+    texts = [*random_texts(tok, 300, seed=3), "<|reserved_special_token_1|>0|>", "<|reserved_special_token_10|>",
+             "<|reserved_special_token_2<|eot_id|>", "a<b<|<|eom_id|>|>"]
+    for text in texts:
+        assert enc.encode(text) == tok.encode(text, add_special_tokens=False), text
