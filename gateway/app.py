@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics, RequestMetrics
 from gateway.pool import Backend, BackendPool
+from gateway.routes.backends import Registry
 from gateway.routes.common import STORE_UNAVAILABLE, error_response
 from gateway.routes.dispatch import ErrorBoundary, SessionRoutes, nul_in_url, refuse_nul
 from gateway.sessions_cache import SessionCache
@@ -74,49 +75,6 @@ async def detect_context_length(pool: BackendPool, settings: Settings) -> int:
     return config_context_length(settings.tokenizer) or settings.context_length or 4096
 
 
-async def registered_backends(store: Store) -> list[str]:
-    """Backends added at run time (POST /v1/backends), kept in the store for every gateway process."""
-    from sqlalchemy import select
-
-    from gateway.store.models import BackendRow
-
-    async with store.engine.connect() as conn:
-        rows = await conn.execute(select(BackendRow.url).where(BackendRow.enabled.is_(True)))
-        return [str(u) for u in rows.scalars()]
-
-
-class Registry:
-    """The store's backend table mirrored into this process's pool, so a backend added or removed through any
-    gateway is used (or dropped) by every one: read on each health interval and before each publish (a
-    publish must reach every backend that serves). Backends of the command line are this process's own and
-    stay; a backend new to the pool joins unhealthy, and the health loop admits it once `on_recover` has
-    brought it to the current weights."""
-
-    def __init__(self, pool: BackendPool, store: Store, configured: list[str]) -> None:
-        self.pool = pool
-        self.store = store
-        self.configured = {u.rstrip("/") for u in configured}
-
-    async def reload(self) -> None:
-        wanted = {u.rstrip("/") for u in await registered_backends(self.store)}
-        present = {b.url: b for b in self.pool.backends()}
-        for url in sorted(wanted - set(present)):
-            log.info("backend %s registered by another gateway: adding it", url)
-            self.pool.add(url, healthy=False)
-        for url, backend in present.items():
-            if url not in wanted and url not in self.configured:
-                log.info("backend %s removed by another gateway: dropping it", url)
-                self.pool.remove(backend.id)
-
-    async def follow(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.reload()
-            except STORE_UNAVAILABLE as e:  # recovery: the next round reads it again
-                log.warning("backend registry not read: %s", e)
-
-
 def served_name(settings: Settings) -> str:
     return settings.served_model_name or Path(settings.tokenizer.rstrip("/")).name or "rollway"
 
@@ -157,9 +115,11 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
         pool = BackendPool(http, health_interval=settings.health_interval_s, on_recover=on_recover,
                            client_options={"read_timeout": settings.backend_timeout_s})
         publisher = Publisher(pool, leases, metrics)
-        for url in [*settings.backends, *await registered_backends(store)]:
+        for url in settings.backends:
             pool.add(url)
         await publisher.sync_all()
+        registry = Registry(pool, store, settings.backends)
+        await registry.reload()  # the backends added at run time, through any gateway
         template = await asyncio.to_thread(load_template, settings)
         ctx = await detect_context_length(pool, settings)
         app.state.settings = settings
@@ -178,7 +138,7 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
         )
         await pool.start()
         sweeper = asyncio.create_task(_sweep_idle(store, settings.session_idle_timeout_s))
-        app.state.registry = Registry(pool, store, settings.backends)
+        app.state.registry = registry
         follower = asyncio.create_task(app.state.registry.follow(settings.health_interval_s))
         _tune_gc()
         log.info("gateway started: %d backend(s), context length %d (GET /ready says whether one answers)",

@@ -279,6 +279,13 @@ class BackendPool:
                 back.append(backend)
         await asyncio.gather(*(self._recover(b) for b in back))
 
+    async def admit(self, backends: list[Backend]) -> None:
+        """Admit these (new, unhealthy) backends now rather than at the next health round: each that answers
+        /health is brought up by `on_recover` and put in rotation; the others are left to the health loop."""
+        results = await asyncio.gather(*(b.client.health() for b in backends))
+        await asyncio.gather(*(self._recover(b) for b, ok in zip(backends, results, strict=True)
+                               if ok and not b.healthy and b.id in self._backends))
+
     async def _recover(self, backend: Backend) -> None:
         if self._on_recover is not None:
             try:

@@ -39,6 +39,8 @@ class Publisher:
         async with self._lock:
             t0 = time.perf_counter()
             backends = [b for b in self.pool.backends() if b.healthy]
+            # By id as it stands now: the registry may drop a backend from the pool while it loads.
+            by_id = {b.id: b for b in self.pool.backends()}
             await self.pool.pause_all("abort")
             try:
                 errors = await self.pool.update_all(model_path, str(version))
@@ -48,7 +50,7 @@ class Publisher:
             if backends and len(failed) >= len(backends):
                 raise ServiceUnavailable(f"no backend could load {model_path}: {failed}", retry_after=10)
             for bid in failed:
-                self.pool.mark_failed(self.pool.get(bid), f"weight load failed: {failed[bid]}")
+                self.pool.mark_failed(by_id[bid], f"weight load failed: {failed[bid]}")
                 log.error("backend %s failed to load version %d: %s", bid, version, failed[bid])
             await self.leases.publish(version, model_path, batch_ids, results, failed)
             seconds = time.perf_counter() - t0
@@ -57,15 +59,22 @@ class Publisher:
         return {"version": version, "model_path": model_path, "seconds": round(seconds, 4), "failed_backends": failed}
 
     async def sync_backend(self, backend: Backend) -> None:
-        """Bring a backend to the current version before it gets traffic (start, recovery, added)."""
-        version, path = await self.leases.current_weights()
-        if version == 0 or path is None:
-            return
-        info = await backend.client.model_info()
-        if str(info.get("weight_version")) != str(version):
-            log.info("loading version %d into backend %s", version, backend.url)
-            await backend.client.update_weights_from_disk(path, str(version))
-        backend.weight_version = str(version)
+        """Bring a backend to the current version, then put it in rotation (start, recovery, added).
+
+        Under the publish lock: a publish picks the backends it updates among those in rotation, so one that
+        read the version before a publish committed the next and joined the rotation after the publish
+        picked its backends would serve the old weights until it fails (seen: a backend another gateway
+        added, recovered by the health loop during a publish). Waiting for the publish, it reads the version
+        that publish stored."""
+        async with self._lock:
+            version, path = await self.leases.current_weights()
+            if version != 0 and path is not None:
+                info = await backend.client.model_info()
+                if str(info.get("weight_version")) != str(version):
+                    log.info("loading version %d into backend %s", version, backend.url)
+                    await backend.client.update_weights_from_disk(path, str(version))
+                backend.weight_version = str(version)
+            self.pool.mark_healthy(backend)
 
     async def sync_all(self) -> None:
         for b in self.pool.backends():
