@@ -150,8 +150,8 @@ class ChatTemplate:
         chat_template: str | None = None,
         allow_special_tokens_in_content: bool = False,
     ) -> None:
-        """`allow_special_tokens_in_content`: text from messages and tools that spells a special token becomes
-        that token, as a plain render + encode does (for trusted callers that put markup into content on
+        """`allow_special_tokens_in_content`: text from messages and tools that spells a special or markup token
+        becomes that token, as a plain render + encode does (for trusted callers that put markup into content on
         purpose); by default it is plain text (module docstring)."""
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -172,7 +172,11 @@ class ChatTemplate:
         self._stop_set = frozenset(self.stop_token_ids)
         self._markers = tuple(self.decode([i]) for i in self.stop_token_ids)
         self._longest_marker = max(map(len, self._markers), default=1)
-        self._encoder = CachedEncoder(tokenizer, protect_content=not allow_special_tokens_in_content)
+        source = chat_template or tokenizer.chat_template
+        markup = "\n".join(source.values()) if isinstance(source, dict) else str(source or "")
+        self._encoder = CachedEncoder(
+            tokenizer, protect_content=not allow_special_tokens_in_content, markup=markup
+        )
         self._variables = dict(tokenizer.special_tokens_map)
 
     # --- rendering ---------------------------------------------------------------------------------
@@ -196,7 +200,9 @@ class ChatTemplate:
             return hf_messages, hf_tools, False
         return self._encoder.mark(hf_messages), self._encoder.mark(hf_tools), True
 
-    def _render(self, hf_messages: list[dict[str, Any]], hf_tools: list[Any] | None, add_generation_prompt: bool) -> str:
+    def _render(
+        self, hf_messages: list[dict[str, Any]], hf_tools: list[Any] | None, add_generation_prompt: bool
+    ) -> str:
         template = self.tokenizer.get_chat_template(self.chat_template, hf_tools)
         compiled = _compiled(template)
         if compiled is None:  # a transformers without the compiled-template cache: its public path
@@ -223,9 +229,7 @@ class ChatTemplate:
         ids and as the rendered text."""
         hf_messages, hf_tools, marked = self._template_input(messages, tools)
         text = self._render(hf_messages, hf_tools, True)
-        if not marked:
-            return self._encoder.encode(text), text
-        return self._encoder.encode_marked(text), self._encoder.unmark(text)
+        return self._encode(text, marked), (self._encoder.unmark(text) if marked else text)
 
     def extension(
         self,

@@ -189,21 +189,23 @@ def test_mark_characters_in_content_come_back_exactly(name: str) -> None:
 
 
 def test_markup_added_tokens_are_protected_and_vocabulary_added_tokens_are_not() -> None:
-    """Qwen's <tool_call> and <think> are added tokens that are not special but are matched on raw text
-    (markup): content never becomes them. An added token matched after normalization is vocabulary: content
-    encodes to it as the tokenizer always does."""
+    """Qwen's <tool_call> and <think> are added tokens that are not special but are matched on raw text, and
+    its template writes them (markup): content never becomes them. Other added tokens are vocabulary (Gemma's
+    "<table>", words matched after normalization): content encodes to them as the tokenizer always does."""
     tok = copy.deepcopy(chatml_tokenizer())
-    tok.add_tokens([AddedToken("<hint>", normalized=False, special=False), AddedToken("zebra", normalized=True)])
+    tok.add_tokens([AddedToken("<hint>", normalized=False, special=False),
+                    AddedToken("<table>", normalized=False, special=False), AddedToken("zebra", normalized=True)])
     template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n<hint>' + m.content + '<|im_end|>\\n' }}"
                 "{%- endfor %}{{- '<|im_start|>assistant\\n' }}")
     ct = ChatTemplate(tok, chat_template=template)
-    hint, zebra = tok.convert_tokens_to_ids(["<hint>", "zebra"])
-    messages = [{"role": "user", "content": "a zebra <hint> b"}]
+    hint, table, zebra = tok.convert_tokens_to_ids(["<hint>", "<table>", "zebra"])
+    messages = [{"role": "user", "content": "a zebra <hint> <table> b"}]
     assert reference_ids(ct, messages, None).count(hint) == 2  # what a plain render + encode does
     ids, text = ct.render_prompt(messages, None)
-    assert ids.count(hint) == 1 and zebra in ids  # the template's <hint>; the content's zebra
+    assert ids.count(hint) == 1  # the template's own
+    assert table in ids and zebra in ids  # vocabulary, as in any text
     assert ct.decode(ids) == text == reference_text(ct, messages, None)
-    clean = [{"role": "user", "content": "a zebra b"}]
+    clean = [{"role": "user", "content": "a zebra <table> b"}]
     assert ct.render_prompt(clean, None)[0] == reference_ids(ct, clean, None)
 
 
