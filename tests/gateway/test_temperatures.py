@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from tests.fakes.sglang import FakeSGLang
 from tests.harness import LiveGateway
-from trainer.batching import Row, collate
+from trainer.advantages import score_group
+from trainer.batching import collate, rows_of
 from trainer.client import parse_group
-from trainer.loss import token_logprobs
+from trainer.step import forward_logprobs
 
 
 def test_two_temperatures_in_one_session_reach_the_trainer_per_token(tiny_model_dir: Path, db_url: str) -> None:
@@ -41,12 +43,19 @@ def test_two_temperatures_in_one_session_reach_the_trainer_per_token(tiny_model_
     assert isinstance(sample.temperature, list) and len(sample.temperature) == len(sample.token_ids)
     first_turn = len(turns[0]["prompt_ids"]) + len(turns[0]["completion_ids"])
     assert set(sample.temperature[:first_turn]) == {0.5} and set(sample.temperature[first_turn:]) == {1.5}
-    # The trainer scores token t+1 from position t at token t+1's temperature.
-    mb = collate([Row(sample.token_ids, sample.loss_mask, sample.logprobs, [1.0] * len(sample.token_ids),
-                      sample.temperature)])
+    # The trainer's own path: scored group -> rows -> micro-batch -> the model's logprobs, each token scored
+    # (from position t, for token t+1) at the temperature of the turn that sampled it.
+    scored = score_group(group, std_norm=False)
+    (row,) = [r for s, r in zip(scored.samples, rows_of(scored), strict=True) if s.session_id == sid]
+    mb = collate([row])
     assert mb.temperature[0].tolist() == sample.temperature[1:]
-    logits = torch.randn(1, mb.targets.shape[1], int(mb.targets.max()) + 1)
-    got, _ = token_logprobs(logits, mb.targets, mb.temperature)
-    for t in (first_turn - 2, first_turn + 1):  # a token of each turn
-        expected = torch.log_softmax(logits[0, t] / sample.temperature[t + 1], -1)[mb.targets[0, t]]
-        assert torch.isclose(got[0, t], expected, atol=1e-5)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got, _ = forward_logprobs(model, mb)
+        logits = model(input_ids=mb.input_ids).logits[0]
+    trained = [t for t in range(mb.targets.shape[1]) if mb.loss_mask[0, t]]
+    assert any(t + 1 < first_turn for t in trained) and any(t + 1 >= first_turn for t in trained)
+    for t in trained:
+        temp = 0.5 if t + 1 < first_turn else 1.5
+        expected = torch.log_softmax(logits[t] / temp, -1)[mb.targets[0, t]]
+        assert torch.isclose(got[0, t], expected, atol=1e-5), (t, temp)
