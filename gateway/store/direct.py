@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import orjson
+import sqlalchemy.exc
 from sqlalchemy import JSON, Column, Table
 from sqlalchemy.dialects import postgresql
 
@@ -31,6 +32,9 @@ G = cast(Table, Group.__table__)
 S = cast(Table, Session.__table__)
 T = cast(Table, Turn.__table__)
 TURN_COLUMNS = list(T.columns)
+_SET_BY_STORE = ("session_id", "seq", "created_at")
+INSERTED_COLUMNS = tuple(c for c in TURN_COLUMNS if c.name not in _SET_BY_STORE)
+"""The columns a turn's values give (`Store.insert_turn`); the store sets the others."""
 _JSON_COLUMNS = frozenset(c.name for c in TURN_COLUMNS if isinstance(c.type, JSON))
 AuthRow = tuple[str, str, str, int, Any]
 """session id, group id, state, turn count, the group's sampling policy (parsed JSON)."""
@@ -43,10 +47,11 @@ def json_text(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
-def turn_params(values: dict[str, Any], columns: Sequence[Column[Any]] = TURN_COLUMNS) -> list[Any]:
+def turn_params(values: dict[str, Any], columns: Sequence[Column[Any]] = INSERTED_COLUMNS) -> list[Any]:
     """A turn's values in the order of `columns`, as SQLAlchemy would bind them: JSON as text, absent columns as
     their scalar default (else NULL). Booleans stay bool (sqlite3 stores them as 0/1, as SQLAlchemy did).
-    A key that is no column raises, as SQLAlchemy's insert does: a misspelt field must not vanish."""
+    A key that is none of `columns` raises, as SQLAlchemy's insert does: a misspelt field must not vanish (and
+    one the store sets, such as `seq`, must not override it). Counted, not looked up: no cost per call."""
     out: list[Any] = []
     used = 0
     for col in columns:
@@ -61,12 +66,14 @@ def turn_params(values: dict[str, Any], columns: Sequence[Column[Any]] = TURN_CO
         out.append(v)
     if used != len(values):
         unknown = sorted(set(values) - {c.name for c in columns})
-        raise UnknownColumns(f"not columns of the turns table: {', '.join(unknown)}")
+        raise UnknownColumns(f"turn values for no column of the turns table, or one the store sets: "
+                             f"{', '.join(unknown)}")
     return out
 
 
-class UnknownColumns(ValueError):
-    """A turn's values name a column the table does not have (SQLAlchemy raises CompileError for the same)."""
+class UnknownColumns(sqlalchemy.exc.CompileError):
+    """A turn's values name a column the table does not have: the direct path's form of the error SQLAlchemy's
+    insert raises on the Core path ("Unconsumed column names"), so one `except` catches both."""
 
 
 def _auth_row(raw: Any) -> AuthRow | None:
@@ -82,9 +89,9 @@ class SqliteStatements:
     commit writes the WAL pages it dirtied, ~45 us for one turn alone, and turns share pages)."""
 
     _BUMP = f"UPDATE {S.name} SET turn_count = turn_count + 1, last_active_at = ? WHERE id = ? RETURNING turn_count"
-    _INSERT = (f"INSERT INTO {T.name} ({', '.join(c.name for c in TURN_COLUMNS)}) "
-               f"VALUES ({', '.join('?' for _ in TURN_COLUMNS)})")
-    _SEQ = next(i for i, c in enumerate(TURN_COLUMNS) if c.name == "seq")
+    _INSERT = (f"INSERT INTO {T.name} ({', '.join(_SET_BY_STORE)}, {', '.join(c.name for c in INSERTED_COLUMNS)}) "
+               f"VALUES ({', '.join('?' for _ in (*_SET_BY_STORE, *INSERTED_COLUMNS))})")
+    _SEQ = _SET_BY_STORE.index("seq")
 
     def __init__(self, db: sqlite3.Connection, write_lock: asyncio.Lock) -> None:
         self.db = db
@@ -96,7 +103,7 @@ class SqliteStatements:
         return _auth_row(self.db.execute(f"{_AUTH}{column} = ?", (value,)).fetchone())
 
     async def insert_turn(self, session_id: str, now: float, values: dict[str, Any]) -> int:
-        params = turn_params({"session_id": session_id, "seq": 0, "created_at": now, **values})
+        params = [session_id, 0, now, *turn_params(values)]
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._queue.append((session_id, now, params, done))
         if self._writer is None:  # it starts after this turn of the loop: what else is stored in it joins
@@ -172,7 +179,7 @@ def _pg_type(col: Any) -> str:
 
 
 class PgStatements:
-    _INSERTED = tuple(c for c in TURN_COLUMNS if c.name not in ("session_id", "seq", "created_at"))
+    _INSERTED = INSERTED_COLUMNS
     # $1 = now, $2 = session id, then the turn's other columns in order; parameters carry casts because an
     # INSERT ... SELECT does not type them from the target columns.
     _INSERT = (
@@ -202,7 +209,7 @@ class PgStatements:
         return _auth_row(await self.pool.fetchrow(f"{_AUTH}{column} = $1", value))
 
     async def insert_turn(self, session_id: str, now: float, values: dict[str, Any]) -> int:
-        params = turn_params(values, self._INSERTED)
+        params = turn_params(values)
         seq = await self.pool.fetchval(self._INSERT, now, session_id, *params)
         if seq is None:
             raise NotFound(f"no session {session_id}")

@@ -93,24 +93,29 @@ async def test_concurrent_turns_share_commits_and_a_bad_one_fails_alone(db_url: 
 
 
 async def test_a_misspelt_field_raises_on_both_paths(db_url: str) -> None:
-    """A value for no column is an error on the direct path as on the SQLAlchemy path: never silently dropped."""
+    """A value for no column is an error on the direct path as on the SQLAlchemy path, of one type: never
+    silently dropped (the direct path once dropped it). And on the direct path a value for a column the store
+    sets is refused too: a `session_id` there once stored the turn in another session than the one it counted."""
     import sqlalchemy.exc
-
-    from gateway.store.direct import UnknownColumns
 
     store = Store(create_engine(db_url))
     await store.open()
     try:
+        assert store.direct is not None
         _, creds = await store.create_group({"q": 3}, 2, sampling={})
-        sid = creds[0][0]
-        bad = {**turn_values("t-typo"), "finsh_reason": "stop"}
-        with pytest.raises(UnknownColumns, match="finsh_reason"):
-            await store.insert_turn(sid, bad)
-        direct, store.direct = store.direct, None
+        sid, other = creds[0][0], creds[1][0]
         with pytest.raises(sqlalchemy.exc.CompileError, match="finsh_reason"):
-            await store.insert_turn(sid, {**turn_values("t-typo-core"), "finsh_reason": "stop"})
-        store.direct = direct
-        assert await store.session_turns(sid) == []
+            await store.insert_turn(sid, {**turn_values("t-typo"), "finsh_reason": "stop"})
+        with pytest.raises(sqlalchemy.exc.CompileError, match="session_id"):
+            await store.insert_turn(sid, {**turn_values("t-elsewhere"), "session_id": other})
+        direct, store.direct = store.direct, None
+        try:
+            with pytest.raises(sqlalchemy.exc.CompileError, match="finsh_reason"):
+                await store.insert_turn(sid, {**turn_values("t-typo-core"), "finsh_reason": "stop"})
+        finally:
+            store.direct = direct
+        assert await store.session_turns(sid) == [] and await store.session_turns(other) == []
         assert await store.insert_turn(sid, turn_values("t-good")) == 1  # nothing half-done was left behind
+        assert await store.insert_turn(other, turn_values("t-good-2")) == 1
     finally:
         await store.close()
