@@ -20,8 +20,9 @@ GONE = re.compile(r"\b(" + "|".join(name + r"\.md" for name in ("design", "lesso
 
 
 def sources() -> list[Path]:
+    skip = SKIP | {cfg.parent.name for cfg in ROOT.glob("*/pyvenv.cfg")}  # a virtual env made in the checkout
     return [p for p in ROOT.rglob("*")
-            if p.suffix in SUFFIXES and p.is_file() and not SKIP & set(p.relative_to(ROOT).parts)
+            if p.suffix in SUFFIXES and p.is_file() and not skip & set(p.relative_to(ROOT).parts)
             and p.resolve() != Path(__file__).resolve()]
 
 
