@@ -24,7 +24,7 @@ ranks and divide once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -109,14 +109,82 @@ def sft_loss(
     return loss, metrics
 
 
+CHUNK_ELEMENTS = 1 << 25
+"""Vocabulary-sized float32 work per chunk of `token_logprobs`: 2^25 values = 128 MiB, i.e. 220 tokens at a
+151,936 vocabulary, and every token at once for a small one (one chunk: no loop)."""
+
+
 def token_logprobs(
-    logits: Tensor, targets: Tensor, temperature: Tensor, with_entropy: bool = False
+    logits: Tensor,
+    targets: Tensor,
+    temperature: Tensor,
+    with_entropy: bool = False,
+    chunk_tokens: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """log softmax(logits / T)[target] per position, and optionally the entropy of that distribution.
 
     logits (B, T, V), targets (B, T) int, temperature (B, T) (one value per token, > 0).
-    Computed in float32 whatever the logits' dtype, as the inference server does.
+    Computed in float32 whatever the logits' dtype, as the inference server does, `chunk_tokens`
+    positions at a time (default: CHUNK_ELEMENTS // V): no (B, T, V) float32 copy is made in the forward
+    or kept for the backward, which recomputes each chunk's softmax from the logits. The values and the
+    gradient are those of `full_token_logprobs` (tests/trainer/test_chunked_logprobs.py). The entropy is
+    a metric: it carries no gradient.
     """
+    b, t, v = logits.shape
+    chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // v)
+    logp, entropy = _ChunkedLogprobs.apply(
+        logits.reshape(b * t, v), targets.reshape(-1), temperature.reshape(-1), chunk, with_entropy
+    )
+    return logp.view(b, t), entropy.view(b, t) if with_entropy else None
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """(N, V) logits -> (N,) logprobs of the targets and (N,) entropies, a chunk of rows at a time.
+
+    d logp_n / d logits_n = (onehot(target_n) - softmax(logits_n / T_n)) / T_n; the backward recomputes the
+    softmax of each chunk from the saved logits and the saved log-normaliser, so what it keeps between the
+    passes is the logits the model made anyway (in their own dtype) and one float per token.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: Tensor, targets: Tensor, temperature: Tensor, chunk: int, with_entropy: bool
+    ) -> tuple[Tensor, Tensor]:
+        n = logits.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            logp_all = logits[s:e].float() / temperature[s:e, None]  # (c, V) float32
+            lse[s:e] = torch.logsumexp(logp_all, dim=-1)
+            logp_all -= lse[s:e, None]  # in place: log_softmax of the chunk
+            logp[s:e] = logp_all.gather(-1, targets[s:e, None]).squeeze(-1)
+            if with_entropy:
+                entropy[s:e] = -logp_all.exp().mul_(logp_all).sum(-1)
+        ctx.save_for_backward(logits, targets, temperature, lse)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
+        logits, targets, temperature, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        scale = grad_logp.float() / temperature  # (N,) d loss / d logp / T
+        for s in range(0, logits.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, logits.shape[0])
+            g = (logits[s:e].float() / temperature[s:e, None]).sub_(lse[s:e, None]).exp_()  # softmax (c, V)
+            g.mul_(-scale[s:e, None]).scatter_add_(-1, targets[s:e, None], scale[s:e, None])
+            grad[s:e] = g
+        return grad, None, None, None, None
+
+
+def full_token_logprobs(
+    logits: Tensor, targets: Tensor, temperature: Tensor, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """`token_logprobs` computed whole: the reference it is tested against, and the benchmark's "before"
+    (it makes several (B, T, V) float32 tensors and keeps one for the backward)."""
     scaled = logits.float() / temperature.unsqueeze(-1)
     logp_all = torch.log_softmax(scaled, dim=-1)  # (B, T, V)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
