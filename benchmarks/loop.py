@@ -277,6 +277,21 @@ async def drive_rollway(gateway: str, key: str, trainer: subprocess.Popen[bytes]
             "weight_version": version, "heldout_end": end["eval_mean_reward"]}
 
 
+def wait_trainer_ready(trainer_log: Path, trainer: subprocess.Popen[bytes], timeout: float = 180.0) -> float:
+    """Seconds until the trainer says it is set up (`trainer: N rank(s) on ...`: its model and optimizer are
+    loaded; it leases next). The clock starts after that, as TRL's starts at on_train_begin, after its model is
+    loaded: neither side's process start-up and model load is counted."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if trainer.poll() is not None:
+            raise RuntimeError(f"the trainer exited with {trainer.returncode} before it was ready; see {trainer_log}")
+        with contextlib.suppress(OSError):
+            if " rank(s) on " in trainer_log.read_text(errors="replace"):
+                return time.time() - t0
+        time.sleep(0.1)
+    raise RuntimeError(f"the trainer was not ready within {timeout:.0f} s; see {trainer_log}")
+
+
 def scrape(gateway: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{gateway}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -337,7 +352,10 @@ def run_rollway(model: Path, sdir: Path, seed: int, budget: float, tasks: list[d
             trainer = subprocess.Popen(train_cmd, env=env, stdout=tlog, stderr=subprocess.STDOUT,
                                        preexec_fn=die_with_parent(signal.SIGTERM))
         try:
+            started = wait_trainer_ready(wd / "trainer.log", trainer)
+            log(f"seed {seed}: trainer ready after {started:.1f} s (model loaded, about to lease); clock starts")
             res = asyncio.run(drive_rollway(gateway, key, trainer, budget, tasks, eval_tasks, servers))
+            res["trainer_start_s"] = started
         finally:
             stop(trainer, timeout=60)
         counters = scrape(gateway)
@@ -358,10 +376,12 @@ def summarize_rollway(res: dict[str, Any], rows: list[dict[str, Any]], counters:
         return round(statistics.fmean(vals), 3) if vals else None
 
     gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(rows)]
+    # What the training thread spent each step on (trainer/pipeline.py: leasing and publishing run on their own
+    # threads; the thread waits only when the next batch or the previous publish is not done yet)
     split = {"lease_wait_s": mean("lease_wait_s"), "train_step_s": mean("step_time_s"),
-             "checkpoint_s": mean("checkpoint_time_s"), "export_s": mean("export_time_s")}
-    pub = [float(r["publish_time_s"]) - float(r.get("export_time_s", 0.0)) for r in later if "publish_time_s" in r]
-    split["publish_s"] = round(statistics.fmean(pub), 3) if pub else None
+             "checkpoint_s": mean("checkpoint_time_s"), "export_s": mean("export_time_s"),
+             "publish_wait_s": mean("publish_wait_s")}
+    background = {"lease_s": mean("lease_time_s"), "publish_s": mean("publish_time_s")}
     if gaps:
         covered = sum(v for v in split.values() if v is not None)
         split["other_s"] = round(statistics.fmean(gaps) - covered, 3)
@@ -380,7 +400,8 @@ def summarize_rollway(res: dict[str, Any], rows: list[dict[str, Any]], counters:
         "generated_per_s": round(generated / wall, 2),
         **reward_figures(points, wall),
         "heldout_end": round(res["heldout_end"], 4), "weight_version": res["weight_version"],
-        "cpu": res["cpu"], "time_split": split,
+        "cpu": res["cpu"], "time_split": split, "background_s": background,
+        "trainer_start_s": round(res.get("trainer_start_s", 0.0), 1),
         "missing_time_split": ["forward/backward and optimizer separately (train.py logs step_time_s: plan + "
                                "proximal pass + forward/backward + clip + optimizer step)"],
         "filtered_frac": round(filtered / max(1, filtered + accepted), 3),
@@ -605,7 +626,9 @@ def print_report(results: list[dict[str, Any]], summary: dict[str, Any]) -> None
         if r:
             e = r["engine"]
             print(f"\n  seed {s['seed']} rollway: trainer time per step (after the first; first at "
-                  f"{fmt(r['first_step_s'])} s): " + ", ".join(f"{k} {fmt(v)}" for k, v in r["time_split"].items()))
+                  f"{fmt(r['first_step_s'])} s): " + ", ".join(f"{k} {fmt(v)}" for k, v in r["time_split"].items())
+                  + "; on their own threads: " + ", ".join(f"{k} {fmt(v)}" for k, v in r["background_s"].items())
+                  + f"; trainer set up in {r['trainer_start_s']} s before the clock")
             print(f"    filtered {r['filtered_frac']:.1%} of leased groups, {r['groups_stale_dropped']} dropped stale, "
                   f"staleness mean {fmt(r['staleness_mean'])} max {r['staleness_max']}, 429s {r['admission_429s']}, "
                   f"resubmits {r['resubmits']}, generated {r['generated_per_s']}/s, groups failed "

@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.changes import Changes
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics, RequestMetrics
 from gateway.pool import Backend, BackendPool
@@ -130,6 +131,7 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
         app.state.leases = leases
         app.state.publisher = publisher
         app.state.admission = Admission(leases, settings, metrics)
+        app.state.changes = Changes()
         app.state.context_length = ctx
         app.state.model_name = served_name(settings)
         app.state.turns = TurnService(

@@ -199,6 +199,9 @@ class CreateGroupRequest(Strict):
     sampling: SamplingPolicy | None = None
     eval: bool = False
     """Eval groups are never leased for training and sit outside the staleness budget."""
+    wait_seconds: float = Field(default=0.0, ge=0, le=600)
+    """While the staleness budget is full, wait up to this long for room (a publish, a group dropped) before
+    answering 429; 0 = answer 429 at once."""
 
 
 class TurnReward(Strict):

@@ -108,8 +108,7 @@ class Admission:
         ok, counted, limit = await self.leases.admission(
             self.settings.default_groups_per_step, self.settings.max_head_offpolicyness
         )
-        if not ok:
-            self.metrics.admission_refused.inc()
+        if not ok:  # counted in rollway_admission_refused_total by the route, once per 429 it answers
             raise TooManyRequests(
                 f"staleness control: {counted} groups started for at most {limit} at this weight version; "
                 "retry after the trainer publishes", code="staleness_limit", retry_after=1,

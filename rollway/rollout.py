@@ -95,6 +95,12 @@ request and each response (an anyio attribute lookup apiece), so one pool for 20
 demo's runner ~20% of its CPU; the sessions are spread over pools of at most this many instead."""
 
 
+ADMISSION_WAIT_S = 30.0
+"""How long a group creation may wait on the gateway for room under the staleness budget before its 429 (then
+the runner sleeps the Retry-After and asks again). Waiting there, it starts the moment a version is published;
+polling on 429s, it started up to a Retry-After (1 s) later, which the trainer waited for."""
+
+
 class Runner:
     """Runs groups against one gateway. Usable in-process (the demo) and from the CLI."""
 
@@ -158,6 +164,8 @@ class Runner:
                         metadata: dict[str, Any] | None = None) -> list[float | None]:
         """Create a group, run every session; returns each session's reward (None = failed)."""
         body: dict[str, Any] = {"task": task, "n_samples": n_samples, "eval": eval_group}
+        if not eval_group:  # the gateway holds the creation until the staleness budget has room (vs 429 + sleep)
+            body["wait_seconds"] = ADMISSION_WAIT_S
         if sampling:
             body["sampling"] = sampling
         if metadata:

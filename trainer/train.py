@@ -42,6 +42,7 @@ from trainer.config import TrainConfig, load_config, parse_overrides
 from trainer.fsdp import DistInfo, broadcast, init_distributed, load_sharded_model, shutdown
 from trainer.loss import PPOParams
 from trainer.metrics import MetricsSink
+from trainer.pipeline import GatewayPipeline
 from trainer.plot import plot_rewards
 from trainer.step import make_optimizer, rl_step
 
@@ -117,6 +118,22 @@ def commit(
     return {}
 
 
+def _next_batch(pipe: GatewayPipeline[StepBatch] | None, version: int) -> tuple[StepBatch, float]:
+    assert pipe is not None  # rank 0 only (on_rank0)
+    return pipe.next_batch(version)
+
+
+def _publish(pipe: GatewayPipeline[StepBatch] | None, held: dict[str, list[str]], version: int, path: Path,
+             durable: bool) -> tuple[dict[str, list[str]], float]:
+    assert pipe is not None
+    return pipe.publish(held, version, path, durable)
+
+
+def _wait_publish(pipe: GatewayPipeline[StepBatch] | None) -> float:
+    assert pipe is not None
+    return pipe.wait_publish()
+
+
 T = TypeVar("T")
 
 
@@ -141,6 +158,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
     client = GatewayClient(cfg.gateway, cfg.resolved_admin_key(), cfg.http_timeout) if info.is_main else None
     renewer: LeaseRenewer | None = None
     sink = MetricsSink(out, enabled=info.is_main, total_steps=cfg.steps or None)
+    pipe: GatewayPipeline[StepBatch] | None = None
     try:
         # ---------------- starting weights: the served version, else --model; then our last checkpoint
         gw_version, gw_path = on_rank0(info, "reading GET /v1/weights", GatewayClient.current_weights, client)
@@ -162,11 +180,19 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             f"version {version}{', checkpoint ' + str(ckpt) if ckpt else ''})"
         )
         renewer = LeaseRenewer(client, cfg.lease_seconds) if client else None
+        if client is not None and renewer is not None:  # rank 0: leases and publishes off the training thread
+            lease_client, lease_renewer = client, renewer
+            pipe = GatewayPipeline(
+                lambda v: collect(lease_client, lease_renewer, cfg, v),
+                lambda held, v, path, durable: commit(lease_client, lease_renewer, held, v, path, durable),
+            )
         held: dict[str, list[str]] = {}  # leases whose update is not yet in a durable checkpoint
 
         while cfg.steps == 0 or step < cfg.steps:
-            # ---------------- lease (rank 0); every rank gets the same groups
-            batch = on_rank0(info, "leasing", collect, client, renewer, cfg, version)
+            # ---------------- lease (rank 0, prefetched during the last step); every rank gets the same groups
+            batch, lease_wait = on_rank0(info, "leasing", _next_batch, pipe, version)
+            if pipe is not None and (cfg.steps == 0 or step + 1 < cfg.steps):
+                pipe.prefetch(version + 1)  # the next step's batch, leased while this one trains
             if not batch.groups:
                 sink.note(
                     f"no trainable group within {cfg.wait_seconds:.0f}s "
@@ -209,8 +235,9 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             t3 = time.perf_counter()
             for batch_id, group_ids in batch.leases.items():
                 held.setdefault(batch_id, []).extend(group_ids)
-            held = on_rank0(
-                info, f"publishing version {version}", commit, client, renewer, held, version, path, durable
+            # the publish runs while the next step trains (after the previous publish, which is waited for here)
+            held, publish_wait = on_rank0(
+                info, f"publishing version {version}", _publish, pipe, held, version, path, durable
             )
             if info.is_main:
                 prune_weights(out / "weights", cfg.keep_weights)
@@ -231,15 +258,20 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
                 step_time_s=step_time,
                 checkpoint_time_s=t2 - t1,
                 export_time_s=t3 - t2,
-                publish_time_s=time.perf_counter() - t2,
-                lease_wait_s=batch.wait_s,
+                publish_wait_s=publish_wait,  # blocked on the previous version's publish
+                publish_time_s=pipe.last_publish_s if pipe else 0.0,  # the last finished one, on its thread
+                lease_wait_s=lease_wait,  # blocked on this step's batch (leased while the last step trained)
+                lease_time_s=batch.wait_s,  # the lease calls themselves, on their thread
             )
             metrics["tokens_per_s"] = metrics["tokens"] / max(step_time, 1e-9)
             if renewer and renewer.errors:
                 sink.note(f"lease renew errors: {renewer.errors[-3:]}")
                 renewer.errors.clear()
             sink.log(step, metrics)
+        on_rank0(info, "publishing the last version", _wait_publish, pipe)
     finally:
+        if pipe is not None:
+            pipe.close()
         if renewer:
             renewer.close()
         if client:

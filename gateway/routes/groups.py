@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway.auth import admin, admin_or_session
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, TooManyRequests
 from gateway.protocol import AbandonRequest, CreateGroupRequest, RewardRequest, SamplingPolicy
 from gateway.records import session_record
 from gateway.routes.common import json_response, read_body
@@ -30,10 +31,19 @@ async def create_group(request: Request) -> Response:
     admission = None if body.eval else getattr(request.app.state, "admission", None)  # eval: outside the budget
     sampling = (body.sampling or SamplingPolicy()).model_dump()
     store: Store = request.app.state.store
-    async with admission.admit() if admission is not None else contextlib.nullcontext():
-        gid, creds = await store.create_group(
-            body.task, body.n_samples, sampling=sampling, metadata=body.metadata, is_eval=body.eval
-        )
+    deadline = time.monotonic() + body.wait_seconds
+    while True:
+        try:
+            async with admission.admit() if admission is not None else contextlib.nullcontext():
+                gid, creds = await store.create_group(
+                    body.task, body.n_samples, sampling=sampling, metadata=body.metadata, is_eval=body.eval
+                )
+            break
+        except TooManyRequests:  # the staleness budget is full: wait for room (a publish, a group dropped)
+            if time.monotonic() >= deadline or await request.is_disconnected():
+                request.app.state.metrics.admission_refused.inc()
+                raise
+            await request.app.state.changes.wait(deadline - time.monotonic())
     base = public_base(request)
     return json_response({
         "group_id": gid,
@@ -91,6 +101,7 @@ async def reward(request: Request, session_id: str) -> Response:
         session_id, body.reward, [(t.turn_id, t.reward) for t in body.turn_rewards or []] or None,
         finish=body.finish,
     )
+    request.app.state.changes.notify()  # its group may be complete now: a waiting lease takes it at once
     return json_response({"session_id": session_id, "ok": True, "state": state})
 
 
@@ -98,6 +109,7 @@ async def reward(request: Request, session_id: str) -> Response:
 async def finish(request: Request, session_id: str) -> Response:
     await admin_or_session(request, session_id)
     state = await request.app.state.store.end_session(session_id, "finished", None)
+    request.app.state.changes.notify()
     return json_response({"session_id": session_id, "state": state})
 
 
@@ -106,4 +118,5 @@ async def abandon(request: Request, session_id: str) -> Response:
     await admin_or_session(request, session_id)
     body = await read_body(request, AbandonRequest)
     state = await request.app.state.store.end_session(session_id, "abandoned", body.reason)
+    request.app.state.changes.notify()  # a dropped group leaves the staleness budget
     return json_response({"session_id": session_id, "state": state})

@@ -131,11 +131,23 @@ def test_staleness_admission(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "staleness_limit"
         assert g.admin.post("/v1/groups", json={"task": 1, "n_samples": 1, "eval": True}).status_code == 201
-        # a dropped group frees its slot
-        gid = g.admin.get("/v1/sessions", params={"limit": 1}).json()["data"][0]["group_id"]
-        for s in g.admin.get(f"/v1/groups/{gid}").json()["sessions"]:
-            g.admin.post(f"/v1/sessions/{s['id']}/abandon", json={})
-        assert g.admin.post("/v1/groups", json={"task": 1, "n_samples": 2}).status_code == 201
+        # asked to wait, a creation waits that long for room, then answers the same 429
+        t0 = time.monotonic()
+        r = g.admin.post("/v1/groups", json={"task": 1, "n_samples": 2, "wait_seconds": 0.6})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "staleness_limit"
+        assert time.monotonic() - t0 >= 0.6
+        # a dropped group frees its slot: a creation waiting for room gets it
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(g.admin.post, "/v1/groups", json={"task": 1, "n_samples": 2, "wait_seconds": 30})
+            time.sleep(0.5)
+            assert not waiting.done()
+            gid = g.admin.get("/v1/sessions", params={"limit": 1}).json()["data"][0]["group_id"]
+            for s in g.admin.get(f"/v1/groups/{gid}").json()["sessions"]:
+                g.admin.post(f"/v1/sessions/{s['id']}/abandon", json={})
+            assert waiting.result(timeout=10).status_code == 201
+        assert g.admin.post("/v1/groups", json={"task": 1, "n_samples": 2}).status_code == 429
 
 
 def test_concurrent_group_creation_never_passes_the_budget(tiny_model_dir: Path, tmp_path: Path) -> None:
