@@ -95,6 +95,10 @@ request and each response (an anyio attribute lookup apiece), so one pool for 20
 demo's runner ~20% of its CPU; the sessions are spread over pools of at most this many instead."""
 
 
+KEEPALIVE_S = 2.0
+"""The runner drops a connection idle this long: under uvicorn's keep-alive timeout (5 s), so it never sends on a
+connection the server is closing (equal timeouts lost one group creation to a ReadError in a 60 s loop run)."""
+
 ADMISSION_WAIT_S = 30.0
 """How long a group creation may wait on the gateway for room under the staleness budget before its 429 (then
 the runner sleeps the Retry-After and asks again). Waiting there, it starts the moment a version is published;
@@ -115,7 +119,8 @@ class Runner:
         self.client_timeout = client_timeout
         self.stats = Stats()
         n_pools = max(1, -(-concurrency // POOL_CONNECTIONS))
-        limits = httpx.Limits(max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS)
+        limits = httpx.Limits(max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS,
+                              keepalive_expiry=KEEPALIVE_S)
         self._admin_pools = [
             httpx.AsyncClient(base_url=self.gateway, timeout=60.0, limits=limits,
                               headers={"Authorization": f"Bearer {admin_key}"})
@@ -124,7 +129,8 @@ class Runner:
         # The SDK's own client class, with the SDK's defaults but for the pool size. Its HTTP package is httpx
         # or, in newer SDKs, httpx2 (same API): its Limits come from whichever it is built on.
         http_pkg = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.partition(".")[0])
-        sdk_limits = http_pkg.Limits(max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS)
+        sdk_limits = http_pkg.Limits(max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS,
+                                     keepalive_expiry=KEEPALIVE_S)
         self._agent_pools = [openai.DefaultAsyncHttpxClient(timeout=client_timeout, limits=sdk_limits)
                              for _ in range(n_pools)]
         self._next_pool = 0
