@@ -61,3 +61,26 @@ def test_empty_batch_takes_rows(model: PreTrainedModel) -> None:
     assert batch.lengths == [3]
     batch.keep([])
     assert len(batch) == 0 and batch.cache is None
+
+
+def test_identical_sequences_are_computed_once_and_decode_like_separate_ones(model: PreTrainedModel) -> None:
+    seqs = [SEQS[1], SEQS[0], SEQS[1], SEQS[1], SEQS[3], SEQS[0]]  # 3 distinct among 6 rows
+    calls: list[int] = []
+    handle = model.register_forward_pre_hook(lambda m, args, kw: calls.append(kw["input_ids"].shape[0]),
+                                             with_kwargs=True)
+    try:
+        running, first = prefill(model, seqs)
+    finally:
+        handle.remove()
+    assert calls == [3]  # one forward over the distinct sequences
+    assert running.lengths == [len(s) for s in seqs]
+    for row, seq in enumerate(seqs):
+        assert (first[row] - last_logits(model, seq)).abs().max() <= 1e-4
+    grown = [list(s) for s in seqs]
+    for step in range(3):  # the copied rows decode on their own, with different tokens
+        next_tokens = [200 + 7 * step + i for i in range(len(seqs))]
+        logits = model(**running.step_inputs(next_tokens)).logits[:, -1]
+        running.stepped()
+        for row, seq in enumerate(grown):
+            seq.append(next_tokens[row])
+            assert (logits[row] - last_logits(model, seq)).abs().max() <= 1e-4, (step, row)
