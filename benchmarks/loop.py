@@ -147,7 +147,7 @@ def _child_pid(fragment: str) -> int:
 
 
 @contextlib.contextmanager
-def stack(model: Path, wd: Path, key: str) -> Iterator[tuple[str, dict[str, int]]]:
+def stack(model: Path, wd: Path, key: str) -> Iterator[tuple[str, dict[str, int], str]]:
     """The demo's serving side: a CPU engine on `model` and a gateway on a fresh SQLite store in `wd`.
     Yields the gateway URL and the pids {"engine", "gateway"}."""
     env = {**os.environ, "ROLLWAY_ADMIN_KEY": key}
@@ -164,7 +164,7 @@ def stack(model: Path, wd: Path, key: str) -> Iterator[tuple[str, dict[str, int]
         gateway = f"http://127.0.0.1:{gport}"
         try:
             wait_healthy(gateway, gw, timeout=120)
-            yield gateway, {"engine": engine_pid, "gateway": gw.pid}
+            yield gateway, {"engine": engine_pid, "gateway": gw.pid}, engine_url
         finally:
             stop(gw)
 
@@ -174,7 +174,7 @@ def heldout(model: Path, wd: Path, eval_tasks: list[dict[str, Any]]) -> dict[str
     shutil.rmtree(wd, ignore_errors=True)
     wd.mkdir(parents=True)
     key = "rw-admin-" + secrets.token_urlsafe(24)
-    with stack(model, wd, key) as (gateway, _):
+    with stack(model, wd, key) as (gateway, _, _):
         async def go() -> dict[str, Any]:
             runner = Runner(gateway, key, load_agent(agent_file("arithmetic.py")),
                             concurrency=GROUPS_IN_FLIGHT * N_SAMPLES)
@@ -229,7 +229,7 @@ def cpu_shares(a: dict[str, float], b: dict[str, float], wall_s: float) -> dict[
 
 async def drive_rollway(gateway: str, key: str, trainer: subprocess.Popen[bytes], budget: float,
                         tasks: list[dict[str, Any]], eval_tasks: list[dict[str, Any]],
-                        servers: dict[str, int]) -> dict[str, Any]:
+                        servers: dict[str, int], engine_url: str) -> dict[str, Any]:
     """rollway.demo._rl without its start eval, with a clock: with the trainer just spawned, GROUPS_IN_FLIGHT
     groups kept running until the budget (counted from the first group requested) or the trainer's exit; CPU
     snapshots at both ends; each group's finish time and rewards; then the trainer stopped and the held-out
@@ -242,6 +242,7 @@ async def drive_rollway(gateway: str, key: str, trainer: subprocess.Popen[bytes]
         roots = {**servers, "trainer": trainer.pid}
         t0 = time.time()
         cpu0 = cpu_snapshot(roots)
+        engine0 = scrape(engine_url, "rollway_engine_")
         deadline = t0 + budget
         i = 0
         in_flight: set[asyncio.Task[Any]] = set()
@@ -261,6 +262,7 @@ async def drive_rollway(gateway: str, key: str, trainer: subprocess.Popen[bytes]
                         groups.append((now, len(rewards), sum(rewards)))
             t_end = time.time()
             cpu1 = cpu_snapshot(roots)
+            engine1 = scrape(engine_url, "rollway_engine_")
         finally:
             if trainer.poll() is None:
                 stop(trainer, timeout=60)
@@ -271,7 +273,9 @@ async def drive_rollway(gateway: str, key: str, trainer: subprocess.Popen[bytes]
         end = await run_eval(runner, eval_tasks, 1, version)
     finally:
         await runner.close()
-    return {"t0": t0, "t_end": t_end, "cpu": cpu_shares(cpu0, cpu1, t_end - t0), "groups": groups,
+    engine = {k.removeprefix("rollway_engine_").removesuffix("_total"): engine1[k] - engine0.get(k, 0.0)
+              for k in engine1}
+    return {"t0": t0, "t_end": t_end, "cpu": cpu_shares(cpu0, cpu1, t_end - t0), "groups": groups, "engine": engine,
             "groups_failed": failed, "first_error": first_error, "trainer_rc": trainer.returncode,
             "trainer_exited_early": t_end < deadline - 1.0,
             "weight_version": version, "heldout_end": end["eval_mean_reward"]}
@@ -292,13 +296,14 @@ def wait_trainer_ready(trainer_log: Path, trainer: subprocess.Popen[bytes], time
     raise RuntimeError(f"the trainer was not ready within {timeout:.0f} s; see {trainer_log}")
 
 
-def scrape(gateway: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{gateway}/metrics", timeout=10) as r:
+def scrape(server: str, prefix: str = "") -> dict[str, float]:
+    """`GET /metrics`: the gateway's COUNTERS, or every line whose name starts with `prefix` (the engine's)."""
+    with urllib.request.urlopen(f"{server}/metrics", timeout=10) as r:
         text = r.read().decode()
     values: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in COUNTERS:
+        if (name.startswith(prefix) if prefix else name in COUNTERS):
             values[name] = float(value)
     return values
 
@@ -339,7 +344,7 @@ def run_rollway(model: Path, sdir: Path, seed: int, budget: float, tasks: list[d
     wd.mkdir(parents=True)
     key = "rw-admin-" + secrets.token_urlsafe(24)
     env = {**os.environ, "ROLLWAY_ADMIN_KEY": key}
-    with stack(model, wd, key) as (gateway, servers):
+    with stack(model, wd, key) as (gateway, servers, engine_url):
         # rollway/demo.py's train command, word for word (--nproc 1 and --steps 0: the demo's defaults)
         train_cmd = [sys.executable, "-m", "rollway.cli", "train", "--gateway", gateway, "--model", str(model),
                      "--out", str(wd / "train"), "--nproc", "1", "--seed", str(seed),
@@ -354,7 +359,8 @@ def run_rollway(model: Path, sdir: Path, seed: int, budget: float, tasks: list[d
         try:
             started = wait_trainer_ready(wd / "trainer.log", trainer)
             log(f"seed {seed}: trainer ready after {started:.1f} s (model loaded, about to lease); clock starts")
-            res = asyncio.run(drive_rollway(gateway, key, trainer, budget, tasks, eval_tasks, servers))
+            res = asyncio.run(drive_rollway(gateway, key, trainer, budget, tasks, eval_tasks, servers,
+                                             engine_url))
             res["trainer_start_s"] = started
         finally:
             stop(trainer, timeout=60)
@@ -378,7 +384,10 @@ def summarize_rollway(res: dict[str, Any], rows: list[dict[str, Any]], counters:
     gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(rows)]
     # What the training thread spent each step on (trainer/pipeline.py: leasing and publishing run on their own
     # threads; the thread waits only when the next batch or the previous publish is not done yet)
-    split = {"lease_wait_s": mean("lease_wait_s"), "train_step_s": mean("step_time_s"),
+    fwd_bwd = [float(r["step_time_s"]) - float(r["optimizer_time_s"]) for r in later if "optimizer_time_s" in r]
+    split = {"lease_wait_s": mean("lease_wait_s"),
+             "fwd_bwd_s": round(statistics.fmean(fwd_bwd), 3) if fwd_bwd else None,  # plan, passes, backward
+             "optimizer_s": mean("optimizer_time_s"),  # clip + AdamW step
              "checkpoint_s": mean("checkpoint_time_s"), "export_s": mean("export_time_s"),
              "publish_wait_s": mean("publish_wait_s")}
     background = {"lease_s": mean("lease_time_s"), "publish_s": mean("publish_time_s")}
@@ -402,16 +411,17 @@ def summarize_rollway(res: dict[str, Any], rows: list[dict[str, Any]], counters:
         "heldout_end": round(res["heldout_end"], 4), "weight_version": res["weight_version"],
         "cpu": res["cpu"], "time_split": split, "background_s": background,
         "trainer_start_s": round(res.get("trainer_start_s", 0.0), 1),
-        "missing_time_split": ["forward/backward and optimizer separately (train.py logs step_time_s: plan + "
-                               "proximal pass + forward/backward + clip + optimizer step)"],
         "filtered_frac": round(filtered / max(1, filtered + accepted), 3),
         "groups_stale_dropped": sum(int(r.get("groups_stale", 0)) for r in rows),
         "staleness_mean": mean("staleness_mean", rows), "staleness_max": max(
             (int(r.get("staleness_max", 0)) for r in rows), default=0),
         "admission_429s": int(counters.get("rollway_admission_refused_total", 0)),
         "resubmits": int(counters.get("rollway_resubmits_total", 0)),
-        "engine": {"batch_occupancy": "not exposed by engine/server.py",
-                   "paused_s": "not exposed; bounded by the gateway's publish time",
+        "engine": {"paused_pct": pct(res["engine"].get("paused_s"), wall),
+                   "busy_pct": pct(res["engine"].get("busy_s"), wall),
+                   "decode_occupancy": ratio(res["engine"].get("decode_rows"), res["engine"].get("decode_steps")),
+                   "prefill_rows": int(res["engine"].get("prefill_rows", 0)),
+                   "prefill_computed_rows": int(res["engine"].get("prefill_computed_rows", 0)),
                    "publish_s_total": round(counters.get("rollway_weight_publish_seconds_sum", 0.0), 2),
                    "publish_s_mean": round(counters.get("rollway_weight_publish_seconds_sum", 0.0)
                                            / publish_n, 3) if publish_n else None,
@@ -513,6 +523,10 @@ def reward_figures(points: list[tuple[float, float, int]], wall: float) -> dict[
                reward_window_max=None if best is None else round(best, 4),
                reward_window_end=None if final is None else round(final, 4))
     return out
+
+
+def pct(part: float | None, whole: float) -> float | None:
+    return None if part is None else round(100.0 * part / max(whole, 1e-9), 1)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -635,10 +649,12 @@ def print_report(results: list[dict[str, Any]], summary: dict[str, Any]) -> None
                   f"{r['groups_failed']}, trainer "
                   + ("EXITED BEFORE THE BUDGET (see trainer.log)" if r["trainer_exited_early"]
                      else "stopped at the budget"))
-            print(f"    engine: batch occupancy and paused time not exposed; generations in flight (gateway) mean "
-                  f"{e['in_flight_mean']} of {ENGINE_MAX_BATCH}, none {e['in_flight_idle_pct']}% / full "
-                  f"{e['in_flight_full_pct']}% of the time; publishes {e['publish_s_total']} s in all "
-                  f"({fmt(e['publish_s_mean'])} s each; the engine is paused within them)")
+            print(f"    engine: paused {fmt(e['paused_pct'])}% and computing {fmt(e['busy_pct'])}% of the time, "
+                  f"decode batch occupancy {fmt(e['decode_occupancy'])} of {ENGINE_MAX_BATCH} rows, prefill "
+                  f"computed {e['prefill_computed_rows']} of {e['prefill_rows']} rows (identical prompts once); "
+                  f"generations in flight (gateway) mean {e['in_flight_mean']}, none {e['in_flight_idle_pct']}% / "
+                  f"full {e['in_flight_full_pct']}% of the time; publishes {e['publish_s_total']} s in all "
+                  f"({fmt(e['publish_s_mean'])} s each, the engine paused within them)")
         if t:
             print(f"  seed {s['seed']} TRL ({t['threads']} threads; its last step ended {t['overshoot_s']} s past the "
                   f"budget and is not counted): time per step (after the first; first at {fmt(t['first_step_s'])} s): "

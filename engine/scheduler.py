@@ -10,9 +10,11 @@ Results go back to the asyncio side as `Delta`s through `loop.call_soon_threadsa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -79,6 +81,24 @@ def load_model(path: str | Path) -> PreTrainedModel:
     return model.eval()
 
 
+@dataclass
+class Stats:
+    """Counters since start, read by `GET /metrics` (benchmarks/loop.py takes differences over its window)."""
+
+    paused_s: float = 0.0
+    """Seconds paused (`/pause_generation` to `/continue_generation`): nothing runs."""
+    busy_s: float = 0.0
+    """Seconds the model thread spent in prefill and decode forwards (with sampling)."""
+    decode_steps: int = 0
+    decode_rows: int = 0
+    """Rows over all decode steps: decode_rows / decode_steps is the mean batch occupancy."""
+    prefill_forwards: int = 0
+    prefill_rows: int = 0
+    prefill_computed_rows: int = 0
+    """Rows a prefill forward actually computed (identical sequences are computed once: engine/batch.py)."""
+    swaps: int = 0
+
+
 class Scheduler:
     """The model thread. Public methods are thread-safe and return futures resolved by that thread."""
 
@@ -102,6 +122,8 @@ class Scheduler:
         self._rows: list[_Seq] = []
         self._batch = DecodeBatch()
         self._paused = False
+        self._paused_at = 0.0
+        self.stats = Stats()
         self._pending_swap: tuple[Callable[[], int], Future[Any]] | None = None
         self._stopping = False
         self._dirty: list[_Seq] = []
@@ -143,7 +165,12 @@ class Scheduler:
         return self.call(lambda: self._pause(mode))
 
     def resume(self) -> Future[Any]:
-        return self.call(lambda: setattr(self, "_paused", False))
+        return self.call(self._resume)
+
+    def _resume(self) -> None:
+        if self._paused:
+            self.stats.paused_s += time.perf_counter() - self._paused_at
+        self._paused = False
 
     def swap_model(self, model: PreTrainedModel, version: str | None, abort_all: bool) -> Future[Any]:
         """Serve `model` from the next step on; resolves with the number of requests that were paused."""
@@ -151,6 +178,7 @@ class Scheduler:
 
         def swap() -> int:
             paused = len(self._rows)
+            self.stats.swaps += 1
             self.model = model
             if version is not None:
                 self.weight_version = version
@@ -172,6 +200,14 @@ class Scheduler:
         self._calls.put((register, Future()))
         return future
 
+    def stats_now(self) -> dict[str, float]:
+        """The counters, a pause in progress counted up to now (read from any thread: a torn read of two
+        counters is off by one step at most)."""
+        stats = dataclasses.asdict(self.stats)
+        if self._paused:
+            stats["paused_s"] += time.perf_counter() - self._paused_at
+        return {k: float(v) for k, v in stats.items()}
+
     def busy(self) -> Future[Any]:
         return self.call(lambda: bool(self._rows or self._waiting))
 
@@ -186,9 +222,11 @@ class Scheduler:
                 continue
             try:
                 self._maybe_swap()
+                t0 = time.perf_counter()
                 self._admit()
                 if self._rows:
                     self._decode()
+                self.stats.busy_s += time.perf_counter() - t0
             except Exception as exc:  # a bug in a step must not hang every client: fail them and go on
                 log.exception("engine step failed")
                 self._fail_all(f"{type(exc).__name__}: {exc}")
@@ -220,6 +258,8 @@ class Scheduler:
     def _pause(self, mode: str) -> None:
         if mode == "abort":
             self._abort(lambda s: True)
+        if not self._paused:
+            self._paused_at = time.perf_counter()
         self._paused = True
         if self._pending_swap is not None:
             self._maybe_swap()
@@ -293,6 +333,9 @@ class Scheduler:
         want_input = len(group) == 1 and self._wants_input_logprobs(group[0])
         sequences = [s.req.input_ids + s.output_ids for s in group]
         batch, logits = prefill(self.model, sequences, all_logits=want_input)
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_rows += len(sequences)
+        self.stats.prefill_computed_rows += len({tuple(s) for s in sequences})
         if want_input:
             self._input_logprobs(group[0], logits[0])
             logits = logits[:, -1]
@@ -320,6 +363,8 @@ class Scheduler:
     def _decode(self) -> None:
         inputs = self._batch.step_inputs([s.output_ids[-1] for s in self._rows])
         logits = self.model(**inputs).logits[:, -1, :]  # (B, V)
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += len(self._rows)
         self._batch.stepped()
         alive = self._take_step(self._rows, logits)
         self._rows = [self._rows[i] for i in alive]

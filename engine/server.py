@@ -271,6 +271,13 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
     async def server_info() -> dict[str, Any]:
         return engine.server_info()
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """The scheduler's counters in Prometheus' text format (`rollway_engine_*`; SGLang's own /metrics, with
+        --enable-metrics, has other names: the gateway does not read it)."""
+        lines = [f"rollway_engine_{k}_total {float(v)}" for k, v in scheduler.stats_now().items()]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, str]:
         return {"weight_version": scheduler.weight_version}

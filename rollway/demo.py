@@ -104,14 +104,16 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
               steps: int, tasks: list[dict[str, Any]], eval_tasks: list[dict[str, Any]]) -> dict[str, Any]:
     agent = load_agent(agent_file("arithmetic.py"))
     runner = Runner(gateway, key, agent, concurrency=GROUPS_IN_FLIGHT * N_SAMPLES)
+    log = open(out / "trainer.log", "ab")
+    # Started first, so its start-up (torchrun, imports, loading the model: ~5-10 s) overlaps the held-out eval;
+    # it leases nothing until training groups exist (eval groups are never leased). SIGTERM if the demo dies
+    # however it dies (kill -9 included): `rollway train` then stops torchrun.
+    trainer = subprocess.Popen(train_cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               preexec_fn=die_with_parent(signal.SIGTERM))
     try:
         start_eval = await run_eval(runner, eval_tasks, 1, await runner.weight_version())
         append_line(str(out / "eval.jsonl"), json.dumps(start_eval))
         _log(f"held-out greedy accuracy before RL: {start_eval['eval_mean_reward']:.3f}")
-        log = open(out / "trainer.log", "ab")
-        # SIGTERM if the demo dies however it dies (kill -9 included): `rollway train` then stops torchrun.
-        trainer = subprocess.Popen(train_cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   preexec_fn=die_with_parent(signal.SIGTERM))
         metrics = out / "train" / "metrics.jsonl"
         bar = tqdm(total=steps or None, desc="RL steps", unit="step")
         i = failed = 0
@@ -136,7 +138,6 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
             bar.close()
             if trainer.poll() is None:
                 stop(trainer, timeout=60)
-            log.close()
             for t in in_flight:
                 t.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
@@ -147,6 +148,9 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
         return {"start": start_eval["eval_mean_reward"], "end": end_eval["eval_mean_reward"],
                 "trainer_rc": trainer.returncode, "weight_version": end_version}
     finally:
+        if trainer.poll() is None:  # the start eval failed, or a signal: the trainer goes too
+            stop(trainer, timeout=60)
+        log.close()
         await runner.close()
 
 

@@ -13,6 +13,7 @@ multiplied by the world size to make the averaged gradient the gradient of that 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,7 @@ def run_minibatches(
     world = dist.get_world_size() if dist.is_initialized() else 1
     sums: dict[str, Tensor] = {}  # metric sums over this rank's micro-batches
     grad_norms = []
+    optimizer_s = 0.0  # clip + optimizer step, on this rank (the rest of a step is passes: forward/backward)
     for i, (minibatch, micro) in enumerate(zip(plan, batches, strict=True)):
         optimizer.zero_grad(set_to_none=True)
         for j, mb in enumerate(micro):
@@ -83,10 +85,12 @@ def run_minibatches(
             metrics["padded_tokens"] = torch.tensor(float(mb.n_tokens), device=mb.input_ids.device)
             for k, v in metrics.items():  # kept on the device: no sync per micro-batch
                 sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
+        t_opt = time.perf_counter()
         if max_grad_norm > 0:
             norm: Any = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         optimizer.step()
+        optimizer_s += time.perf_counter() - t_opt
     out = _all_reduce_sums(sums, device)
     tokens = max(out.pop("tokens"), 1.0)
     result: dict[str, float] = {
@@ -94,6 +98,7 @@ def run_minibatches(
         "loss_tokens": tokens,
         "padded_tokens": out.pop("padded_tokens"),
         "minibatches": float(len(plan)),
+        "optimizer_time_s": optimizer_s,
     }
     names = {"clipped_sum": "clip_frac", "behaviour_capped_sum": "behaviour_capped_frac"}
     for k, total in out.items():  # per loss token: entropy, kl, clip fraction, nll, ...

@@ -220,3 +220,32 @@ def test_shutdown_signal_aborts_in_flight_work(tiny_model_dir: Path) -> None:
         assert not thread.is_alive() and time.monotonic() - start < 5
         out = pending.result().json()
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(out["output_ids"]) < 3000
+
+
+async def engine_metrics(http: httpx.AsyncClient) -> dict[str, float]:
+    r = await http.get("/metrics")
+    assert r.status_code == 200
+    return {name: float(value) for name, value in (line.split(" ") for line in r.text.splitlines())}
+
+
+async def test_metrics_count_steps_rows_and_paused_time(http: httpx.AsyncClient) -> None:
+    before = await engine_metrics(http)
+    # two identical prompts and one other, sent together: one prefill computes 2 rows for 3
+    bodies = [{"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}}
+              for p in (PROMPT, PROMPT, [11, 12, 13])]
+    replies = await asyncio.gather(*(http.post("/generate", json=b) for b in bodies))
+    assert all(r.status_code == 200 for r in replies)
+    await http.post("/pause_generation", json={"mode": "abort"})
+    await asyncio.sleep(0.3)
+    paused = await engine_metrics(http)  # a pause in progress counts up to now
+    await http.post("/continue_generation", json={})
+    after = await engine_metrics(http)
+
+    def delta(name: str) -> float:
+        return after[f"rollway_engine_{name}_total"] - before[f"rollway_engine_{name}_total"]
+
+    assert delta("prefill_rows") == 3 and delta("prefill_computed_rows") <= delta("prefill_rows")
+    # each reply's first token comes from its prefill, the other 3 from decode steps of up to 3 rows
+    assert delta("decode_steps") >= 3 and delta("decode_rows") == 9
+    assert paused["rollway_engine_paused_s_total"] - before["rollway_engine_paused_s_total"] >= 0.3
+    assert delta("paused_s") >= 0.3 and delta("busy_s") > 0
