@@ -13,6 +13,12 @@ from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, sa
 from trainer.fsdp import init_distributed, load_sharded_model
 
 
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor's (FSDP2 over several ranks) or a plain one (one CPU rank is not wrapped)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
+
 def hf_state(path: Path) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
@@ -51,6 +57,6 @@ def test_checkpoint_restores_model_optimizer_step_version(
     assert ckpt is not None
     assert load_checkpoint(fresh, fresh_opt, ckpt) == (3, 13)
     for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
-        assert torch.equal(p.full_tensor(), q.full_tensor())
+        assert torch.equal(_full(p), _full(q))
     s1, s2 = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
-    assert all(torch.equal(s1[i]["exp_avg"].full_tensor(), s2[i]["exp_avg"].full_tensor()) for i in s1)
+    assert all(torch.equal(_full(s1[i]["exp_avg"]), _full(s2[i]["exp_avg"])) for i in s1)
