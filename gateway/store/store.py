@@ -201,6 +201,8 @@ class Store:
     ) -> str:
         """Set a session's reward (or per-turn rewards); with `finish`, also finish it in the same transaction.
         Returns the session's state after the call."""
+        if self.direct is not None and reward is not None and not turn_rewards:
+            return await self.direct.reward_session(session_id, reward, finish)
         async with self.begin() as conn:
             sess = await self._session_for_update(conn, session_id)
             if sess.state == "abandoned":  # nothing changes an abandoned session (docs/http-api.md, "Lifecycle")

@@ -119,3 +119,83 @@ async def test_a_misspelt_field_raises_on_both_paths(db_url: str) -> None:
         assert await store.insert_turn(other, turn_values("t-good-2")) == 1
     finally:
         await store.close()
+
+
+async def _reward_scenarios(store: Store) -> list[Any]:
+    """Every branch of a session reward, each in a group of its own; what each call returned or raised, then the
+    groups' and sessions' states (ids and times left out)."""
+    from gateway.errors import GatewayError
+    from gateway.store.leases import LeaseRequest, Leases
+
+    out: list[Any] = []
+
+    async def call(sid: str, reward: float, finish: bool) -> None:
+        try:
+            out.append(await store.set_reward(sid, reward, None, finish=finish))
+        except GatewayError as e:
+            out.append((type(e).__name__, str(e).replace(sid, "SID")))
+
+    groups = []
+    _, a = await store.create_group("two finish", 2, sampling={})  # open, then complete
+    await call(a[0][0], 1.0, True)
+    await call(a[1][0], 0.0, False)  # rewarded, not finished: the group stays open
+    await call(a[1][0], 0.0, True)
+    await call(a[1][0], 0.0, True)  # finishing twice is a no-op
+    _, b = await store.create_group("abandoned", 2, sampling={})  # an abandoned session takes no reward
+    await store.end_session(b[0][0], "abandoned", "x")
+    await call(b[0][0], 1.0, True)
+    await call(b[1][0], 1.0, True)  # the last live one of two: too few sessions, dropped
+    _, c = await store.create_group("one", 1, sampling={})
+    await call(c[0][0], 0.5, True)
+    _, d = await store.create_group("after the lease", 2, sampling={})
+    for sid, _ in d:
+        await call(sid, 1.0, True)
+    leases = Leases(store, 1.0)
+    await leases.lease(LeaseRequest(64, 60, None, None, None))
+    await call(d[0][0], 1.0, True)  # the same reward again: fine
+    await call(d[0][0], 0.0, True)  # another one: final
+    _, e = await store.create_group("finished then rewarded", 2, sampling={})
+    await store.end_session(e[0][0], "finished", None)
+    await call(e[0][0], 0.25, False)
+    await call("sess_missing", 1.0, True)
+    for creds in (a, b, c, d, e):
+        groups.append(creds)
+    for creds in groups:
+        session, _ = await store.session(creds[0][0])
+        group = await store.group(session["group_id"])
+        out.append((group["state"], group.get("drop_reason"),
+                    [(s["state"], s["reward"], s.get("end_reason")) for s in group["sessions"]]))
+    return out
+
+
+async def test_a_session_reward_does_on_the_direct_path_what_sqlalchemy_does(db_url: str) -> None:
+    store = Store(create_engine(db_url))
+    await store.open()
+    try:
+        assert store.direct is not None
+        direct = await _reward_scenarios(store)
+        saved, store.direct = store.direct, None  # the SQLAlchemy path
+        try:
+            core = await _reward_scenarios(store)
+        finally:
+            store.direct = saved
+        assert direct == core
+        assert direct[:4] == ["finished", "active", "finished", "finished"]
+        assert direct[-5][0] == "leased" and direct[-4][:2] == ("dropped", "too_few_sessions")  # complete: leased
+        assert ("Conflict", "group of session SID was already leased; reward is final") in direct
+    finally:
+        await store.close()
+
+
+async def test_sessions_of_a_group_finishing_at_once_complete_it(db_url: str) -> None:
+    import asyncio
+
+    store = Store(create_engine(db_url))
+    await store.open()
+    try:
+        gid, creds = await store.create_group("race", 8, sampling={})
+        states = await asyncio.gather(*(store.set_reward(sid, 1.0, None, finish=True) for sid, _ in creds))
+        assert states == ["finished"] * 8
+        assert (await store.group(gid))["state"] == "complete"
+    finally:
+        await store.close()
