@@ -131,7 +131,8 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
         app.state.leases = leases
         app.state.publisher = publisher
         app.state.admission = Admission(leases, settings, metrics)
-        app.state.changes = Changes()
+        app.state.completions = Changes()  # a group may have completed: lease long-polls look again
+        app.state.budget = Changes()  # room under the staleness budget: waiting group creations look again
         app.state.context_length = ctx
         app.state.model_name = served_name(settings)
         app.state.turns = TurnService(

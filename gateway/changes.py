@@ -2,10 +2,13 @@
 `wait_seconds`) and a runner waiting for room under the staleness budget (`POST /v1/groups` with
 `wait_seconds`).
 
-Every change those waits are for goes through a route of this process (a session rewarded, finished or
-abandoned; a batch acked; a version published), which calls `notify()`. A wait re-checks the store at once then,
-instead of at its next poll. Changes made through another gateway sharing the store are seen by the periodic
-re-check alone (`poll_s`).
+Every change those waits are for goes through a route of this process, which calls `notify()` on the channel
+of that wait: `app.state.completions` when a group may have completed (a session rewarded or finished), which
+lease long-polls wait on; `app.state.budget` when a group left the staleness budget or the budget grew (a group
+dropped: abandoned or filtered; a version published), which group creations wait on. A wait re-checks the store
+at once then, instead of at its next poll. Changes made through another gateway sharing the store are seen by the
+periodic re-check alone (`poll_s`). Two channels, because an admission check is a count over the groups table:
+woken by every reward (one per session), the waiting creations took a fifth of the gateway's CPU.
 
 Measured on the demo's loop (benchmarks/loop.py, 2 cores): with a 0.25 s lease poll and a runner that slept the
 429's `Retry-After: 1` s, the trainer waited ~0.6 s per step for groups the engine could have made in that time.

@@ -43,7 +43,7 @@ async def create_group(request: Request) -> Response:
             if time.monotonic() >= deadline or await request.is_disconnected():
                 request.app.state.metrics.admission_refused.inc()
                 raise
-            await request.app.state.changes.wait(deadline - time.monotonic())
+            await request.app.state.budget.wait(deadline - time.monotonic())
     base = public_base(request)
     return json_response({
         "group_id": gid,
@@ -101,7 +101,7 @@ async def reward(request: Request, session_id: str) -> Response:
         session_id, body.reward, [(t.turn_id, t.reward) for t in body.turn_rewards or []] or None,
         finish=body.finish,
     )
-    request.app.state.changes.notify()  # its group may be complete now: a waiting lease takes it at once
+    request.app.state.completions.notify()  # its group may be complete now: a waiting lease takes it at once
     return json_response({"session_id": session_id, "ok": True, "state": state})
 
 
@@ -109,7 +109,7 @@ async def reward(request: Request, session_id: str) -> Response:
 async def finish(request: Request, session_id: str) -> Response:
     await admin_or_session(request, session_id)
     state = await request.app.state.store.end_session(session_id, "finished", None)
-    request.app.state.changes.notify()
+    request.app.state.completions.notify()
     return json_response({"session_id": session_id, "state": state})
 
 
@@ -118,5 +118,6 @@ async def abandon(request: Request, session_id: str) -> Response:
     await admin_or_session(request, session_id)
     body = await read_body(request, AbandonRequest)
     state = await request.app.state.store.end_session(session_id, "abandoned", body.reason)
-    request.app.state.changes.notify()  # a dropped group leaves the staleness budget
+    request.app.state.completions.notify()  # the group may be complete without it
+    request.app.state.budget.notify()  # or dropped: it leaves the staleness budget
     return json_response({"session_id": session_id, "state": state})
