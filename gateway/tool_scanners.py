@@ -84,6 +84,15 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def mistral_call_id() -> str:
+    """Mistral's templates refuse a tool-call id that is not nine letters and digits; an agent sends the id
+    back with the call and its result, so the gateway's own ids must be of that kind."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
 Schemas = Mapping[str, Mapping[str, Any]]
 """Function name -> its parameters' JSON-schema properties (from the request's tools)."""
 
@@ -296,9 +305,14 @@ class BlockScanner:
     decoded when it ends). Text before, between and after blocks is content, as is a block that does not
     decode; a partial opening marker at the end of what came so far is held back."""
 
-    def __init__(self, open_: str, close: str | None, decode: Decoder, schemas: Schemas) -> None:
+    def __init__(self, open_: str, close: str | None, decode: Decoder, schemas: Schemas,
+                 new_id: Callable[[], str] = new_call_id, *, close_optional: bool = False) -> None:
+        """`close_optional`: a block still open when the reply ends is decoded too (DeepSeek-R1's template
+        writes no `<｜tool▁calls▁end｜>` after a single call, and models trained on it may not either)."""
         self.calls: list[ParsedToolCall] = []
         self._open, self._close, self._decode, self._schemas = open_, close, decode, schemas
+        self._new_id = new_id
+        self._close_optional = close_optional
         self._buf = ""  # undecided text: a partial opening marker, or an open block
         self._in_block = False
         self._search = len(open_)  # where to look for the closing marker of an open block
@@ -330,7 +344,7 @@ class BlockScanner:
 
     def flush(self) -> str:
         rest, self._buf = self._buf, ""
-        if self._in_block and self._close is None:
+        if self._in_block and (self._close is None or self._close_optional):
             self._in_block = False
             out: list[str] = []
             self._take(rest, rest[len(self._open):], out)
@@ -342,8 +356,11 @@ class BlockScanner:
         calls = self._decode(inner, self._schemas)
         if calls is None:
             out.append(block)
-        else:
-            self.calls.extend(calls)
+            return
+        if self._new_id is not new_call_id:
+            for call in calls:
+                call.id = self._new_id()
+        self.calls.extend(calls)
 
 
 class Llama3JsonScanner:
@@ -407,8 +424,11 @@ class Llama3JsonScanner:
         return calls or None
 
 
-def block_format(open_: str, close: str | None, decode: Decoder) -> Callable[[Schemas], ToolCallScanner]:
-    return lambda schemas: BlockScanner(open_, close, decode, schemas)
+def block_format(
+    open_: str, close: str | None, decode: Decoder, new_id: Callable[[], str] = new_call_id, *,
+    close_optional: bool = False,
+) -> Callable[[Schemas], ToolCallScanner]:
+    return lambda schemas: BlockScanner(open_, close, decode, schemas, new_id, close_optional=close_optional)
 
 
 SCANNERS: dict[str, Callable[[Schemas], ToolCallScanner]] = {
@@ -416,8 +436,8 @@ SCANNERS: dict[str, Callable[[Schemas], ToolCallScanner]] = {
     "qwen3_coder": block_format("<tool_call>", "</tool_call>", decode_qwen3_coder),
     "glm45": block_format("<tool_call>", "</tool_call>", decode_glm45),
     "kimi_k2": block_format("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", decode_kimi_k2),
-    "deepseek": block_format("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", decode_deepseek),
-    "mistral": block_format("[TOOL_CALLS]", None, decode_mistral),
+    "deepseek": block_format("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", decode_deepseek, close_optional=True),
+    "mistral": block_format("[TOOL_CALLS]", None, decode_mistral, mistral_call_id),
     "granite": block_format("<|tool_call|>", None, decode_json_list),
     "llama3_json": Llama3JsonScanner,
 }
