@@ -12,6 +12,7 @@ rendering of the answer.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any
 from gateway.continuity import Candidate, choose_parent
 from gateway.templating import ChatTemplate, IncrementalDetokenizer, _common_prefix_len, _compiled
 from gateway.tool_parsers import ParsedReply
-from tests.realfiles import Family, tokenizer
+from tests.realfiles import BY_NAME, Family, tokenizer
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city over the next days.",
@@ -58,7 +59,12 @@ class FamilyResult:
 
 
 def template_of(family: Family) -> ChatTemplate:
-    return ChatTemplate(tokenizer(family))
+    return _template(family.name)
+
+
+@functools.cache
+def _template(name: str) -> ChatTemplate:
+    return ChatTemplate(tokenizer(BY_NAME[name]))
 
 
 def has_reasoning(family: Family) -> bool:

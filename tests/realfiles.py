@@ -185,14 +185,19 @@ FAMILIES: tuple[Family, ...] = (
 BY_NAME = {f.name: f for f in FAMILIES}
 
 
-def tokenizer(family: Family) -> Any:
-    """The family's tokenizer with its chat template (built once, then loaded from the cache)."""
-    from transformers import AutoTokenizer
-
+def tokenizer_dir(family: Family) -> Path:
+    """A folder holding the family's tokenizer, chat template and generation_config.json (built once)."""
     built = cache_dir() / "tokenizers" / family.key
     if not (built / "tokenizer.json").is_file():
         _build(family, built)
-    return AutoTokenizer.from_pretrained(str(built))
+    return built
+
+
+def tokenizer(family: Family) -> Any:
+    """The family's tokenizer with its chat template."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir(family)))
 
 
 def _build(family: Family, out: Path) -> None:
