@@ -14,6 +14,19 @@
    Target: <= 1.5x.
 
 Prints a table, then one JSON line with every figure.
+
+    python benchmarks/trainer.py --memory         # 3. instead: logprob memory at a 151,936 vocabulary
+
+3. Memory: the peak memory one training pass of a micro-batch adds (forward with entropy, PPO loss,
+   backward), per micro-batch token, at vocabulary 151,936 (Qwen2's) and the trainer's default
+   `micro_batch_tokens`, for the three ways of getting logprobs: `full` (the model's (B, T, V) logits, then a
+   whole-vocabulary float32 log-softmax: the trainer before chunking), `chunked` (the model's logits, then
+   `token_logprobs` a chunk of tokens at a time) and `fused` (`forward_logprobs`: the lm_head applied a chunk
+   at a time too; what the trainer does now). Each (way, size) runs in a fresh process on the CPU, float32,
+   no FSDP, with a small Qwen2 (hidden 256, 2 layers) so that the vocabulary dominates: peak = the process's
+   VmHWM after the pass minus its VmRSS before it, VmHWM reset just before (torch's CPU allocations are
+   invisible to tracemalloc); the model and a small warm-up pass come first. A size whose peak, extrapolated from the same way's largest run, would pass
+   `--max-gib` is not run and is shown extrapolated (the peak is linear in tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,11 +48,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from trainer.batching import MicroBatch, Row, collate, plan_step
+from trainer.batching import MicroBatch, Row, collate, micro_batches, plan_step
 from trainer.checkpoint import export_hf, full_state_dict, save_dtype
+from trainer.config import TrainConfig
 from trainer.fsdp import init_distributed, load_sharded_model, shutdown
-from trainer.loss import PolicyInputs, PPOParams, ppo_loss, token_logprobs
-from trainer.step import rl_step
+from trainer.loss import PolicyInputs, PPOParams, full_token_logprobs, ppo_loss, token_logprobs
+from trainer.step import forward_logprobs, fused_head, rl_step
 
 SIZES = {
     # name: (hidden, intermediate, layers, heads, kv heads, vocab, rows, min length, max length)
@@ -76,8 +91,7 @@ def make_rows(size: str, seed: int = 0) -> list[list[Row]]:
 
 
 def logprobs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-    logits = model(input_ids=mb.input_ids, use_cache=False).logits
-    return token_logprobs(logits, mb.targets, mb.temperature)[0]
+    return forward_logprobs(model, mb)[0]  # the trainer's own (its fused head works on a plain module too)
 
 
 def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, micro: list, normalizer: float,
@@ -175,15 +189,152 @@ def bench_size(size: str, reps: int, root: Path) -> dict[str, float]:
     }  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------------------------
+# 3. memory of the logprobs at a 151,936 vocabulary
+
+MEMORY_MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=151_936, max_position_embeddings=1024,
+                    tie_word_embeddings=True)  # fmt: skip
+ROW_TOKENS = 512  # micro-batches of rows of 512 tokens: 16 rows at micro_batch_tokens 8192
+
+
+def logprobs_full(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits = model(input_ids=mb.input_ids, use_cache=False).logits
+    return full_token_logprobs(logits, mb.targets, mb.temperature, with_entropy=True)
+
+
+def logprobs_chunked(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits = model(input_ids=mb.input_ids, use_cache=False).logits
+    return token_logprobs(logits, mb.targets, mb.temperature, with_entropy=True)
+
+
+def logprobs_fused(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return forward_logprobs(model, mb, with_entropy=True)
+
+
+WAYS = {"full": logprobs_full, "chunked": logprobs_chunked, "fused": logprobs_fused}
+
+
+def vm_kib(field: str) -> int:
+    """VmRSS (resident memory now) or VmHWM (its peak since the last reset) of this process, in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """VmHWM := VmRSS (Linux >= 4.0), so that the next peak is the pass's, not model creation's."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def memory_micro_batch(micro_tokens: int, vocab: int, row_tokens: int = ROW_TOKENS) -> MicroBatch:
+    """The trainer's first micro-batch of rows of `row_tokens` tokens (the first eighth prompt, the rest
+    trained; a temperature that differs per row)."""
+    g = torch.Generator().manual_seed(0)
+    n_rows = max(1, micro_tokens // row_tokens)
+    mask = [0] * (row_tokens // 8) + [1] * (row_tokens - row_tokens // 8)
+    rows = [Row(torch.randint(0, vocab, (row_tokens,), generator=g).tolist(), mask, [-11.9] * row_tokens,
+                [1.0 if i % 2 else -1.0] * row_tokens, [0.7 + 0.1 * (i % 4)] * row_tokens)
+            for i in range(n_rows)]  # fmt: skip
+    return collate(micro_batches(rows, micro_tokens)[0])
+
+
+def train_pass(model: torch.nn.Module, way: str, mb: MicroBatch) -> None:
+    """What `run_minibatches` does per micro-batch: logprobs and entropy, PPO loss, backward."""
+    logp, entropy = WAYS[way](model, mb)
+    normalizer = float(mb.loss_mask.sum())
+    inp = PolicyInputs(logp, logp.detach(), mb.behaviour_logprobs, mb.advantages, mb.loss_mask, mb.token_weight,
+                       normalizer)  # fmt: skip
+    loss, _ = ppo_loss(inp, PPOParams())
+    loss.backward()
+    assert entropy is not None and torch.isfinite((entropy * mb.loss_mask).sum())
+
+
+def memory_worker(way: str, micro_tokens: int) -> None:
+    """One (way, size) in this fresh process; prints one JSON line."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**MEMORY_MODEL)).train()
+    assert way != "fused" or fused_head(model)
+    vocab = MEMORY_MODEL["vocab_size"]
+    train_pass(model, way, memory_micro_batch(32, vocab, row_tokens=32))  # warm-up; makes the .grad buffers
+    model.zero_grad(set_to_none=False)
+    mb = memory_micro_batch(micro_tokens, vocab)
+    reset_peak()
+    base = vm_kib("VmRSS")
+    t0, c0 = time.perf_counter(), time.process_time()
+    train_pass(model, way, mb)
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    peak = (vm_kib("VmHWM") - base) * 1024
+    print(json.dumps({"way": way, "micro_batch_tokens": micro_tokens, "tokens": mb.n_tokens, "peak_bytes": peak,
+                      "bytes_per_token": peak / mb.n_tokens, "baseline_bytes": base * 1024, "pass_s": seconds,
+                      "pass_cpu_s": cpu_seconds}))  # fmt: skip
+
+
+def bench_memory(sizes: list[int], max_gib: float) -> list[dict]:
+    results: list[dict] = []
+    for way in WAYS:
+        per_token = 0.0  # bytes per token of this way's largest run so far
+        for size in sorted(sizes):
+            if per_token and per_token * size > max_gib * 2**30:
+                results.append({"way": way, "micro_batch_tokens": size, "tokens": None, "peak_bytes": None,
+                                "bytes_per_token": per_token, "extrapolated": True})  # fmt: skip
+                continue
+            cmd = [sys.executable, __file__, "--memory-worker", way, str(size)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            result = json.loads(out.strip().splitlines()[-1]) | {"extrapolated": False}
+            per_token = result["bytes_per_token"]
+            results.append(result)
+    return results
+
+
+def report_memory(results: list[dict], default_tokens: int) -> None:
+    print(f"\nlogprob memory on cpu ({torch.get_num_threads()} threads), vocab {MEMORY_MODEL['vocab_size']:,}, "
+          f"hidden {MEMORY_MODEL['hidden_size']}, {MEMORY_MODEL['num_hidden_layers']} layers, float32: "
+          "peak added by one training pass of a micro-batch (pass s: its wall time; cpu s: this process's CPU "
+          "time, the steadier figure on a shared machine)")  # fmt: skip
+    head = f"{'way':>8} {'micro_batch_tokens':>18} {'tokens':>7} {'peak MiB':>10} {'KiB/token':>10} {'pass s':>7} {'cpu s':>6}"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        if r["extrapolated"]:
+            peak = f"~{r['bytes_per_token'] * r['micro_batch_tokens'] / 2**20:.0f}"
+            print(f"{r['way']:>8} {r['micro_batch_tokens']:>18} {'':>7} {peak:>10} {'~':>1}{r['bytes_per_token'] / 1024:>9.1f}"
+                  f" {'(not run: over --max-gib; extrapolated)':>7}")  # fmt: skip
+        else:
+            print(f"{r['way']:>8} {r['micro_batch_tokens']:>18} {r['tokens']:>7} {r['peak_bytes'] / 2**20:>10.0f} "
+                  f"{r['bytes_per_token'] / 1024:>10.1f} {r['pass_s']:>7.1f} {r['pass_cpu_s']:>6.1f}")  # fmt: skip
+    at_default = {r["way"]: r for r in results if r["micro_batch_tokens"] == default_tokens}
+    if "full" in at_default and "fused" in at_default:
+        ratio = at_default["full"]["bytes_per_token"] / at_default["fused"]["bytes_per_token"]
+        print(f"at the default micro_batch_tokens ({default_tokens}): full / fused = {ratio:.0f}x per token")
+    print(json.dumps({"benchmark": "trainer_memory", "device": "cpu", "threads": torch.get_num_threads(),
+                      "model": MEMORY_MODEL, "default_micro_batch_tokens": default_tokens,
+                      "results": results}))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="tiny,100m", help="comma list of: " + ", ".join(SIZES))
     ap.add_argument("--reps", type=int, default=3, help="timed steps per variant (after one warm-up)")
     ap.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--memory", action="store_true", help="run 3. (logprob memory) instead of 1. and 2.")
+    default_tokens = TrainConfig().micro_batch_tokens
+    ap.add_argument("--memory-sizes", default=f"1024,2048,{default_tokens}",
+                    help="micro_batch_tokens to measure (default: two small ones and the trainer's default)")  # fmt: skip
+    ap.add_argument("--max-gib", type=float, default=7.0, help="skip a memory run whose peak would pass this")
+    ap.add_argument("--memory-worker", nargs=2, metavar=("WAY", "TOKENS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.memory_worker:
+        memory_worker(args.memory_worker[0], int(args.memory_worker[1]))
+        return
+    if args.memory:
+        sizes = [int(x) for x in args.memory_sizes.split(",")]
+        report_memory(bench_memory(sizes, args.max_gib), default_tokens)
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

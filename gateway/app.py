@@ -52,8 +52,14 @@ def load_template(settings: Settings) -> ChatTemplate:
     tok = AutoTokenizer.from_pretrained(settings.tokenizer)
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"the tokenizer in {settings.tokenizer} has no chat template")
-    return ChatTemplate(tok, tool_parser=settings.tool_parser,
-                        allow_special_tokens_in_content=settings.allow_special_tokens_in_content)
+    template = ChatTemplate(tok, tool_parser=settings.tool_parser, reasoning_parser=settings.reasoning_parser,
+                            allow_special_tokens_in_content=settings.allow_special_tokens_in_content)
+    if template.tool_parser is None and settings.tool_parser == "auto":
+        log.warning("the chat template of %s writes tool calls in no format the gateway knows: requests with "
+                    "tools will be refused (400) until --tool-parser names the format; requests without tools "
+                    "are served (docs/models.md)", settings.tokenizer)
+    log.info("model formats of %s: %s", settings.tokenizer, template.formats.describe())
+    return template
 
 
 def config_context_length(tokenizer_dir: str) -> int | None:
@@ -137,7 +143,7 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
         app.state.model_name = served_name(settings)
         app.state.turns = TurnService(
             store=store, template=template, cache=SessionCache(store), metrics=metrics, context_length=ctx,
-            tool_parser=settings.tool_parser, reasoning=settings.reasoning,
+            reasoning=settings.reasoning, chat_template_kwargs=settings.chat_template_kwargs,
         )
         await pool.start()
         sweeper = asyncio.create_task(_sweep_idle(store, settings.session_idle_timeout_s))

@@ -14,6 +14,8 @@ longest prefix with the request (the latest on ties):
 
     first_turn        the session has no earlier turn to extend
     different_tools   a turn would be a prefix, but it was called with other tools
+    different_template_kwargs  a turn would be a prefix, but it was rendered with other chat_template_kwargs
+                      (Qwen3's enable_thinking renders another generation prompt and history)
     edited_message    the request diverges from that turn at a message it changed
     removed_message   the request left out messages that turn had (it skips ahead to a later one)
     retried           the request is (a prefix of) that turn's messages with nothing new: a retry
@@ -112,6 +114,8 @@ class Candidate:
     messages: list[dict[str, Any]]
     tools: list[Any] | None
     created_order: int
+    template_kwargs: dict[str, Any] | None = None
+    """The chat_template_kwargs the turn was rendered with (defaults included)."""
     _canon: tuple[CanonicalMessage, ...] | None = field(default=None, init=False, repr=False)
     _tools: str | None = field(default=None, init=False, repr=False)
 
@@ -123,7 +127,7 @@ class Candidate:
 
     def canonical_tools(self) -> str:
         if self._tools is None:
-            self._tools = canonical_tools(self.tools)
+            self._tools = canonical_tools(self.tools) + "\0" + _canonical_json(self.template_kwargs or {})
         return self._tools
 
 
@@ -142,10 +146,12 @@ def _shared_prefix(a: Sequence[CanonicalMessage], b: Sequence[CanonicalMessage])
     return i
 
 
-def _near_miss_reason(cand: Sequence[CanonicalMessage], new: Sequence[CanonicalMessage], k: int) -> Reason:
+def _near_miss_reason(
+    cand: Sequence[CanonicalMessage], new: Sequence[CanonicalMessage], k: int, tools_differ: bool
+) -> Reason:
     """Why `cand`, sharing `k` leading messages with `new`, is not a parent of it."""
-    if k == len(cand) and len(new) > k:
-        return "different_tools"  # a strict prefix: only the tools can have kept it out
+    if k == len(cand) and len(new) > k:  # a strict prefix: only the tools or the kwargs can have kept it out
+        return "different_tools" if tools_differ else "different_template_kwargs"
     if k == len(new):
         return "retried"
     if k == 0:
@@ -156,10 +162,12 @@ def _near_miss_reason(cand: Sequence[CanonicalMessage], new: Sequence[CanonicalM
 
 
 def choose_parent(
-    candidates: Sequence[Candidate], new_messages: Sequence[Any], tools: Sequence[Any] | None
+    candidates: Sequence[Candidate], new_messages: Sequence[Any], tools: Sequence[Any] | None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> ParentChoice:
     """The candidate whose messages are the longest strict prefix of `new_messages` (latest on ties)
-    among those called with the same tools; else no parent and the reason of the best near miss.
+    among those called with the same tools and chat_template_kwargs; else no parent and the reason of the
+    best near miss.
 
     Linear in the number of messages over all candidates (each message is compared at most once;
     canonical forms of candidates are cached on them).
@@ -167,7 +175,8 @@ def choose_parent(
     if not candidates:
         return ParentChoice(None, "first_turn")
     new = tuple(canonical_message(m) for m in new_messages)
-    tools_key = canonical_tools(tools)
+    only_tools = canonical_tools(tools)
+    tools_key = only_tools + "\0" + _canonical_json(template_kwargs or {})
     best: tuple[int, int, Candidate] | None = None  # (prefix length, created_order, candidate)
     miss: tuple[int, int, Reason] | None = None
     for cand in candidates:
@@ -180,7 +189,8 @@ def choose_parent(
         elif best is None:
             key = (k, cand.created_order)
             if miss is None or key > miss[:2]:
-                miss = (*key, _near_miss_reason(msgs, new, k))
+                tools_differ = not cand.canonical_tools().startswith(only_tools + "\0")
+                miss = (*key, _near_miss_reason(msgs, new, k, tools_differ))
     if best is not None:
         return ParentChoice(best[2].turn_id, None)
     assert miss is not None

@@ -129,6 +129,9 @@ class ChatCompletionRequest(_Lenient):
     tools: list[Tool] | None = None
     top_p: float | None = Field(default=None, gt=0, le=1)
     user: str | None = None
+    # non-spec: variables for the chat template (vLLM's and SGLang's name; clients send it with extra_body),
+    # e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # --- completions ------------------------------------------------------------------------------------

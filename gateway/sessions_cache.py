@@ -27,8 +27,9 @@ class SessionView:
     """turn id -> its rendered prompt, for turns this process rendered (not kept in the store)."""
 
     def add(self, turn_id: str, seq: int, messages: list[dict], reply: dict, tools: list | None,
-            prompt_ids: list[int], completion_ids: list[int], prompt_text: str | None = None) -> None:
-        self.candidates.append(Candidate(turn_id, [*messages, reply], tools, seq))
+            prompt_ids: list[int], completion_ids: list[int], prompt_text: str | None = None,
+            template_kwargs: dict | None = None) -> None:
+        self.candidates.append(Candidate(turn_id, [*messages, reply], tools, seq, template_kwargs))
         self.chains[turn_id] = (*prompt_ids, *completion_ids)
         self.completions[turn_id] = tuple(completion_ids)
         if prompt_text is not None:
@@ -43,7 +44,8 @@ def view_from_rows(rows: list[TurnRow]) -> SessionView:
         completion: list[int] = unpack(r.completion_ids, "int32")  # type: ignore[assignment]
         prompt = [*view.chains[r.parent_id], *delta] if r.parent_id else delta
         if r.reply and r.request.get("messages"):  # no reply (aborted early) or raw completion: no parent
-            view.add(r.id, r.seq, r.request.get("messages", []), r.reply, r.request.get("tools"), prompt, completion)
+            view.add(r.id, r.seq, r.request.get("messages", []), r.reply, r.request.get("tools"), prompt, completion,
+                     template_kwargs=r.request.get("chat_template_kwargs"))
         else:
             view.chains[r.id] = (*prompt, *completion)
             view.turn_count = max(view.turn_count, r.seq)
@@ -68,11 +70,11 @@ class SessionCache:
 
     def record(self, session_id: str, seq: int, turn_id: str, messages: list[dict], reply: dict,
                tools: list | None, prompt_ids: list[int], completion_ids: list[int],
-               prompt_text: str | None = None) -> None:
+               prompt_text: str | None = None, template_kwargs: dict | None = None) -> None:
         """Add a just-stored turn to a cached view that was current before it; else forget the view."""
         view = self._views.get(session_id)
         if view is not None and view.turn_count == seq - 1 and reply:
-            view.add(turn_id, seq, messages, reply, tools, prompt_ids, completion_ids, prompt_text)
+            view.add(turn_id, seq, messages, reply, tools, prompt_ids, completion_ids, prompt_text, template_kwargs)
         else:
             self.drop(session_id)
 

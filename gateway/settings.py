@@ -6,7 +6,7 @@ import ipaddress
 import re
 import urllib.parse
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -75,10 +75,16 @@ class Settings(BaseSettings):
     """Admin bearer key. Empty: generated, stored in data_dir and printed once."""
     served_model_name: str = ""
     """Name in replies and /v1/models; empty = the tokenizer folder's name."""
-    tool_parser: str = "hermes"
-    """Tool-call format of the model: hermes | llama3_json."""
+    tool_parser: str = "auto"
+    """Tool-call format of the model: auto (told from the chat template; gateway.model_formats) | hermes |
+    qwen3_coder | llama3_json | mistral | deepseek | glm45 | kimi_k2 | harmony | granite | none."""
+    reasoning_parser: str = "auto"
+    """Reasoning format: auto (from the chat template) | think | mistral | harmony | none."""
     reasoning: bool = True
-    """Split a leading <think>...</think> into `reasoning_content`."""
+    """Split the reasoning (`<think>...</think>`, or the format's own markers) into `reasoning_content`."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Variables every render of the chat template gets (env: a JSON object, e.g. '{"enable_thinking": false}');
+    a request's own `chat_template_kwargs` override them key by key."""
     allow_special_tokens_in_content: bool = False
     """Text in messages and tools that spells a special or markup token (`<|im_end|>`, `<tool_call>`) becomes
     that token, as a plain render + tokenize does. Off (the default), such text is tokenized as plain text, as
@@ -117,6 +123,34 @@ class Settings(BaseSettings):
     """B for staleness admission until a trainer tells its own value with a lease request."""
     max_head_offpolicyness: int = -1
     """η for admission of new groups; -1 = no admission control until a trainer sets it."""
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_tool_parser(cls, v: str) -> str:
+        from gateway.tool_parsers import TOOL_PARSERS
+
+        if v not in ("auto", "none", *TOOL_PARSERS):
+            raise ValueError(f"unknown tool parser {v!r}; known: auto, none, {', '.join(sorted(TOOL_PARSERS))}")
+        return v
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, v: str) -> str:
+        from gateway.tool_parsers import REASONING_PARSERS
+
+        if v not in ("auto", "none", *REASONING_PARSERS):
+            raise ValueError(
+                f"unknown reasoning parser {v!r}; known: auto, none, {', '.join(sorted(REASONING_PARSERS))}")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from gateway.templating import RESERVED_TEMPLATE_KWARGS
+
+        if taken := sorted(RESERVED_TEMPLATE_KWARGS & v.keys()):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the gateway sets them")
+        return v
 
     @field_validator("backends", mode="before")
     @classmethod

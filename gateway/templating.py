@@ -26,10 +26,24 @@ from typing import Any
 from gateway.continuity import drop_none
 from gateway.encoding import CachedEncoder
 from gateway.errors import BadRequest
-from gateway.tool_parsers import ParsedReply, ToolParser, get_tool_parser
+from gateway.model_formats import ModelFormats, detect
+from gateway.tool_parsers import (
+    ParsedReply,
+    ReasoningParser,
+    ReplyParser,
+    ToolParser,
+    get_reasoning_parser,
+    get_tool_parser,
+    reply_parser,
+)
 
-# Tokens that end an assistant turn, by template family, in order of preference.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+# Tokens that end an assistant turn, by template family, in order of preference. GLM's turns end with the
+# next role's header (`<|user|>`, `<|observation|>`), which the model emits as its stop token.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|user|>")
+HARMONY_STOPS = ("<|return|>", "<|call|>")
+"""gpt-oss ends a reply with one of these; its `<|end|>` ends one message of a reply, not the reply."""
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+"""Variables the gateway sets itself: chat_template_kwargs may not replace them."""
 
 Message = Mapping[str, Any]
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -115,6 +129,8 @@ def _detect_end_of_turn(template: Any, vocab: Mapping[str, int], eos_token: str 
     for token in END_OF_TURN_TOKENS:
         if token in vocab and token in source:
             return token
+    if eos_token is not None and str(eos_token) in source:  # Mistral's and DeepSeek's turns end with eos
+        return str(eos_token)
     for token in END_OF_TURN_TOKENS:
         if token in vocab:
             return token
@@ -144,7 +160,8 @@ class ChatTemplate:
         self,
         tokenizer: Any,
         *,
-        tool_parser: str = "hermes",
+        tool_parser: str = "auto",
+        reasoning_parser: str = "auto",
         end_of_turn: str | None = None,
         generation_eos_ids: Sequence[int] | None = None,
         chat_template: str | None = None,
@@ -152,11 +169,19 @@ class ChatTemplate:
     ) -> None:
         """`allow_special_tokens_in_content`: text from messages and tools that spells a special or markup token
         becomes that token, as a plain render + encode does (for trusted callers that put markup into content on
-        purpose); by default it is plain text (module docstring)."""
+        purpose); by default it is plain text (module docstring). `tool_parser`, `reasoning_parser`: a format
+        name, "auto" (told from the template, gateway.model_formats) or "none"."""
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         """Replaces the tokenizer's own template when given (tests render other families on one tokenizer)."""
-        self.tool_parser: ToolParser = get_tool_parser(tool_parser)
+        source = chat_template or tokenizer.chat_template
+        markup = "\n".join(source.values()) if isinstance(source, dict) else str(source or "")
+        self.formats: ModelFormats = detect(markup, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+        self.tool_parser: ToolParser | None = (
+            get_tool_parser(self.formats.tool_parser) if self.formats.tool_parser else None)
+        """None: the template's tool-call format is unknown; requests with tools are refused."""
+        self.reasoning_parser: ReasoningParser | None = (
+            get_reasoning_parser(self.formats.reasoning_parser) if self.formats.reasoning_parser else None)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         """The Rust tokenizer of a fast tokenizer (None for a slow one)."""
         vocab = tokenizer.get_vocab()
@@ -169,11 +194,11 @@ class ChatTemplate:
         eos = list(generation_eos_ids) if generation_eos_ids is not None else _generation_eos_ids(tokenizer)
         self.stop_token_ids: list[int] = list(dict.fromkeys([*eos, self.end_of_turn_id]))
         """Model eos ids (generation_config) and the end-of-turn id, deduplicated, in that order."""
+        if self.formats.tool_parser == "harmony" and all(t in vocab for t in HARMONY_STOPS):
+            self.stop_token_ids = [vocab[t] for t in HARMONY_STOPS]
         self._stop_set = frozenset(self.stop_token_ids)
         self._markers = tuple(self.decode([i]) for i in self.stop_token_ids)
         self._longest_marker = max(map(len, self._markers), default=1)
-        source = chat_template or tokenizer.chat_template
-        markup = "\n".join(source.values()) if isinstance(source, dict) else str(source or "")
         self._encoder = CachedEncoder(
             tokenizer, protect_content=not allow_special_tokens_in_content, markup=markup
         )
@@ -182,38 +207,44 @@ class ChatTemplate:
     # --- rendering ---------------------------------------------------------------------------------
 
     def render_text(
-        self, messages: Sequence[Message], tools: Sequence[Any] | None, *, add_generation_prompt: bool = True
+        self, messages: Sequence[Message], tools: Sequence[Any] | None, *, add_generation_prompt: bool = True,
+        kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The rendered prompt text (message text as the client sent it)."""
-        hf_messages, hf_tools, marked = self._template_input(messages, tools)
-        text = self._render(hf_messages, hf_tools, add_generation_prompt)
+        hf_messages, hf_tools, hf_kwargs, marked = self._template_input(messages, tools, kwargs)
+        text = self._render(hf_messages, hf_tools, add_generation_prompt, hf_kwargs)
         return self._encoder.unmark(text) if marked else text
 
     def _template_input(
-        self, messages: Sequence[Message], tools: Sequence[Any] | None
-    ) -> tuple[list[dict[str, Any]], list[Any] | None, bool]:
-        """Messages and tools in the form the template takes, and whether their strings were marked (some spell
-        a protected token: its marks render instead, and `_encode` turns them into plain text)."""
+        self, messages: Sequence[Message], tools: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+    ) -> tuple[list[dict[str, Any]], list[Any] | None, dict[str, Any], bool]:
+        """Messages, tools and chat_template_kwargs in the form the template takes, and whether their strings
+        were marked (some spell a protected token: its marks render instead, and `_encode` turns them into
+        plain text)."""
         hf_messages = [hf_message(m) for m in messages]
         hf_tools = drop_none(list(tools)) if tools else None
-        if not self._encoder.forged(hf_messages, hf_tools):
-            return hf_messages, hf_tools, False
-        return self._encoder.mark(hf_messages), self._encoder.mark(hf_tools), True
+        hf_kwargs = dict(kwargs or {})
+        if not self._encoder.forged(hf_messages, hf_tools, hf_kwargs):
+            return hf_messages, hf_tools, hf_kwargs, False
+        return (self._encoder.mark(hf_messages), self._encoder.mark(hf_tools), self._encoder.mark(hf_kwargs),
+                True)
 
     def _render(
-        self, hf_messages: list[dict[str, Any]], hf_tools: list[Any] | None, add_generation_prompt: bool
+        self, hf_messages: list[dict[str, Any]], hf_tools: list[Any] | None, add_generation_prompt: bool,
+        kwargs: Mapping[str, Any],
     ) -> str:
         template = self.tokenizer.get_chat_template(self.chat_template, hf_tools)
         compiled = _compiled(template)
         if compiled is None:  # a transformers without the compiled-template cache: its public path
             return str(self.tokenizer.apply_chat_template(
                 hf_messages, tools=hf_tools, add_generation_prompt=add_generation_prompt, tokenize=False,
-                chat_template=self.chat_template,
+                chat_template=self.chat_template, **kwargs,
             ))
-        # What apply_chat_template renders (special tokens as variables), without its copy of every input
-        # into plain types: ours are plain JSON already. A third less time a render.
+        # What apply_chat_template renders (special tokens as variables, then the caller's kwargs), without
+        # its copy of every input into plain types: ours are plain JSON already. A third less time a render.
+        variables = {**self._variables, **kwargs} if kwargs else self._variables
         return str(compiled.render(messages=hf_messages, tools=hf_tools, documents=None,
-                                   add_generation_prompt=add_generation_prompt, **self._variables))
+                                   add_generation_prompt=add_generation_prompt, **variables))
 
     def _encode(self, text: str, marked: bool) -> list[int]:
         return self._encoder.encode_marked(text) if marked else self._encoder.encode(text)
@@ -224,11 +255,13 @@ class ChatTemplate:
         render_prompt, which keeps message text plain)."""
         return self._encoder.encode(text)
 
-    def render_prompt(self, messages: Sequence[Message], tools: Sequence[Any] | None) -> tuple[list[int], str]:
+    def render_prompt(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None, kwargs: Mapping[str, Any] | None = None
+    ) -> tuple[list[int], str]:
         """The prompt of a first turn (or of a new chain): the whole conversation + generation prompt, as
-        ids and as the rendered text."""
-        hf_messages, hf_tools, marked = self._template_input(messages, tools)
-        text = self._render(hf_messages, hf_tools, True)
+        ids and as the rendered text; `kwargs`, the request's chat_template_kwargs."""
+        hf_messages, hf_tools, hf_kwargs, marked = self._template_input(messages, tools, kwargs)
+        text = self._render(hf_messages, hf_tools, True, hf_kwargs)
         return self._encode(text, marked), (self._encoder.unmark(text) if marked else text)
 
     def extension(
@@ -239,6 +272,7 @@ class ChatTemplate:
         tools: Sequence[Any] | None,
         *,
         parent_prompt: str | None = None,
+        kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], str] | None:
         """The ids to append to the parent's prompt + completion ids for `new_messages`, with the rendered
         text of the whole new prompt; None when the template is not prefix stable here (the caller starts
@@ -249,14 +283,17 @@ class ChatTemplate:
         The ids are: [end-of-turn, when the parent was cut off without a stop token] + the bridge after the
         reply's end-of-turn + the new messages + the generation prompt. All of it is prompt (loss mask 0).
         Whatever stop token the model emitted (Llama's <|eom_id|> or <|eot_id|>) stays in the chain as
-        emitted.
+        emitted. A template that renders no end marker after the reply (GLM: the next role's header ends a
+        turn, and the model emits that header as its stop token) extends when what it renders next starts
+        with the stop token the model emitted; the chain holds it once. `kwargs`: the chat_template_kwargs
+        of parent and request (continuity extends only turns with the same ones).
         """
         if not prev_messages or not new_messages:
             raise ValueError("extension needs the parent's messages and at least one new message")
-        hf_all, hf_tools, marked = self._template_input([*prev_messages, *new_messages], tools)
+        hf_all, hf_tools, hf_kwargs, marked = self._template_input([*prev_messages, *new_messages], tools, kwargs)
         hf_prev = hf_all[: len(prev_messages)]
-        full = self._render(hf_all, hf_tools, True)
-        prefix = self._render(hf_prev, hf_tools, False)
+        full = self._render(hf_all, hf_tools, True, hf_kwargs)
+        prefix = self._render(hf_prev, hf_tools, False, hf_kwargs)
         if not full.startswith(prefix):
             return None
         # The reply's end-of-turn is the last stop marker inside the reply's own rendering: a template that
@@ -264,7 +301,7 @@ class ChatTemplate:
         # earlier message. The reply starts where the rendering of what came before it stops agreeing.
         # Marked renders are compared with marked renders only: the kept text is the client's.
         if parent_prompt is None or marked:
-            parent_prompt = self._render(hf_prev[:-1], hf_tools, False)
+            parent_prompt = self._render(hf_prev[:-1], hf_tools, False, hf_kwargs)
         # The parent's prompt ends with the generation prompt, which may share leading characters with the
         # reply's end marker (an empty reply): step back so the marker is searched for from its start.
         reply_start = max(0, _common_prefix_len(parent_prompt, prefix) - self._longest_marker + 1)
@@ -274,13 +311,47 @@ class ChatTemplate:
             if at >= 0:
                 end = max(end, at + len(marker))
         if end < 0:
-            return None
+            if not prev_completion_ids or prev_completion_ids[-1] not in self._stop_set:
+                return None
+            emitted = self.decode(prev_completion_ids[-1:])
+            if not full.startswith(emitted, len(prefix)):
+                return None
+            text = full[len(prefix) + len(emitted):]
+            return self._encode(text, marked), (self._encoder.unmark(full) if marked else full)
         text = prefix[end:] + full[len(prefix) :]
         if not prev_completion_ids or prev_completion_ids[-1] not in self._stop_set:
             text = self.end_of_turn + text  # cut off by max_tokens (or aborted): close the turn
         return self._encode(text, marked), (self._encoder.unmark(full) if marked else full)
 
     # --- replies -----------------------------------------------------------------------------------
+
+    def opens_reasoning(self, prompt_text: str | None) -> bool:
+        """Whether the generation prompt of `prompt_text` opened the reasoning block (DeepSeek-R1's
+        `<｜Assistant｜><think>\n`, a thinking DeepSeek V3.1): the reply then starts inside it and only closes
+        it. A prompt that opened and closed it (Qwen3 with enable_thinking false) did not."""
+        rp = self.reasoning_parser
+        if rp is None or rp.name == "harmony" or not prompt_text:
+            return False
+        return prompt_text.rstrip().endswith(rp.open)
+
+    def reply_parser(
+        self, tools: Sequence[Any] | None, prompt_text: str | None, *, reasoning: bool = True
+    ) -> ReplyParser:
+        """A fresh parser for one reply to a prompt: the template's formats, tool calls only when tools were
+        offered, starting inside the reasoning when the prompt opened it. `reasoning=False` (the gateway's
+        `reasoning` setting off) splits no reasoning off, harmony's channels excepted."""
+        rp = self.reasoning_parser
+        if not reasoning and (rp is None or rp.name != "harmony"):
+            rp = None
+        return reply_parser(self.tool_parser if tools else None, rp,
+                            in_reasoning=rp is not None and self.opens_reasoning(prompt_text), tools=tools)
+
+    def parse(self, text: str, tools: Sequence[Any] | None, prompt_text: str | None, *,
+              reasoning: bool = True) -> ParsedReply:
+        """A whole reply's text parsed (`reply_parser`, fed at once)."""
+        parser = self.reply_parser(tools, prompt_text, reasoning=reasoning)
+        parser.feed(text)
+        return parser.finish()
 
     def completion_text(self, ids: Sequence[int]) -> str:
         """The reply text for the parsers: special tokens kept (they carry the markers), the final

@@ -34,7 +34,7 @@ from gateway.metrics import Metrics
 from gateway.sessions_cache import SessionCache, SessionView
 from gateway.store.store import SessionAuth, Store, unique_id
 from gateway.templating import ChatTemplate
-from gateway.tool_parsers import ParsedReply, ToolParser, get_tool_parser, parse_reply
+from gateway.tool_parsers import ParsedReply, ReplyParser
 from gateway.wire import pack
 
 T = TypeVar("T")
@@ -137,6 +137,8 @@ class TurnRequest:
     """/v1/completions: the prompt as text, tokenized as it is (no template, no continuity)."""
     body_bytes: int = 0
     """Size of the request body: a big one is prepared off the event loop (BIG_BODY_BYTES)."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The request's chat_template_kwargs (the settings' defaults are added in `prepare`)."""
 
 
 @dataclass(slots=True)
@@ -156,6 +158,8 @@ class PreparedTurn:
     started: float
     view: SessionView | None = None
     """The session's cached view the turn was prepared against (kept current by `finish`)."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The chat_template_kwargs the prompt was rendered with: the settings' defaults, then the request's."""
 
 
 @dataclass(slots=True)
@@ -176,18 +180,20 @@ class TurnService:
         cache: SessionCache,
         metrics: Metrics,
         context_length: int,
-        tool_parser: str,
-        reasoning: bool,
+        reasoning: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
         id_prefix: str = "chatcmpl-",
     ) -> None:
+        """`reasoning`: split reasoning off replies (Settings.reasoning); `chat_template_kwargs`: the defaults
+        every render gets (Settings.chat_template_kwargs), under a request's own."""
         self.store = store
         self.template = template
         self.tokenizer = template.tokenizer
         self.cache = cache
         self.metrics = metrics
         self.context_length = context_length
-        self.parser = get_tool_parser(tool_parser)
         self.reasoning = reasoning
+        self.template_kwargs = dict(chat_template_kwargs or {})
         self.stop_ids = set(template.stop_token_ids)
         self._token_text: dict[int, tuple[str, list[int]]] = {}
         self._renders: OrderedDict[bytes, tuple[tuple[int, ...], str]] = OrderedDict()
@@ -207,6 +213,11 @@ class TurnService:
         exceed it (Settings.max_session_tokens)."""
         if auth.state != "active":
             raise Conflict(f"session {auth.id} is {auth.state}; it takes no more turns", code="session_ended")
+        if req.tools and self.template.tool_parser is None:
+            raise BadRequest(
+                "this model's chat template writes tool calls in a format the gateway does not know, so it cannot "
+                "read them back; start the gateway with --tool-parser naming the format (see docs/models.md), or "
+                "send the request without tools", param="tools", code="unknown_tool_format")
         started = time.time()
         parent_id: str | None = None
         reason: str | None
@@ -232,8 +243,12 @@ class TurnService:
         return PreparedTurn(
             auth=auth, req=req, turn_id=unique_id(prefix), prompt_ids=prompt, prompt_delta=delta,
             parent_id=parent_id, chain_reason=reason, prompt_text=text, sampling=sampling, temperature=temperature,
-            max_new_tokens=max_new, started=started, view=view,
+            max_new_tokens=max_new, started=started, view=view, template_kwargs=self.kwargs_of(req),
         )
+
+    def kwargs_of(self, req: TurnRequest) -> dict[str, Any]:
+        """The chat_template_kwargs a request's prompt is rendered with."""
+        return {**self.template_kwargs, **req.template_kwargs} if req.template_kwargs else self.template_kwargs
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on a prompt worker thread (created on first use)."""
@@ -285,7 +300,8 @@ class TurnService:
         `big`: on a worker thread, with the thread's own template, without the render cache (its keys would
         be as big as the requests), and measuring the new text before it is tokenized."""
         template = self._worker_template() if big else self.template
-        choice = choose_parent(view.candidates, req.messages, req.tools)
+        kwargs = self.kwargs_of(req)
+        choice = choose_parent(view.candidates, req.messages, req.tools, kwargs)
         if choice.parent_turn_id is not None:
             parent = next(c for c in view.candidates if c.turn_id == choice.parent_turn_id)
             n_prev = len(parent.messages)
@@ -294,7 +310,7 @@ class TurnService:
                 self._check_extension(template, parent.messages, req, len(chain), self.chars_per_token)
             ext = template.extension(
                 parent.messages, view.completions[parent.turn_id], req.messages[n_prev:], req.tools,
-                parent_prompt=view.prompt_texts.get(parent.turn_id),
+                parent_prompt=view.prompt_texts.get(parent.turn_id), kwargs=kwargs,
             )
             if ext is not None:
                 ids, text = ext
@@ -303,11 +319,11 @@ class TurnService:
         else:
             reason = choice.reason
         if not big:
-            ids, text = self._render_cached(req.messages, req.tools)
+            ids, text = self._render_cached(req.messages, req.tools, kwargs)
         else:
             if self._max_prompt_chars is not None:  # measured before the costly part of render_prompt: encoding
-                self._check_chars(template.render_text(req.messages, req.tools), "messages")
-            ids, text = template.render_prompt(req.messages, req.tools)
+                self._check_chars(template.render_text(req.messages, req.tools, kwargs=kwargs), "messages")
+            ids, text = template.render_prompt(req.messages, req.tools, kwargs)
         return None, reason, ids, ids, text
 
     def _check_extension(
@@ -315,8 +331,9 @@ class TurnService:
     ) -> None:
         """Refuse an extension too long for the context before it is tokenized: its text holds at least
         everything the full rendering adds after the parent's conversation (`ChatTemplate.extension`)."""
-        new = len(template.render_text(req.messages, req.tools)) - len(
-            template.render_text(before, req.tools, add_generation_prompt=False))
+        kwargs = self.kwargs_of(req)
+        new = len(template.render_text(req.messages, req.tools, kwargs=kwargs)) - len(
+            template.render_text(before, req.tools, add_generation_prompt=False, kwargs=kwargs))
         at_least = chain - (-new // per_token)
         if at_least >= self.context_length:
             raise ContextLengthExceeded(
@@ -325,12 +342,14 @@ class TurnService:
                 f"context length is {self.context_length}", param="messages",
             )
 
-    def _render_cached(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[list[int], str]:
+    def _render_cached(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
+    ) -> tuple[list[int], str]:
         """Siblings of a GRPO group send the same first prompt: render and tokenize it once."""
-        key = orjson.dumps([messages, tools], option=orjson.OPT_SORT_KEYS)
+        key = orjson.dumps([messages, tools, kwargs], option=orjson.OPT_SORT_KEYS)
         hit = self._renders.get(key)
         if hit is None:
-            ids, text = self.template.render_prompt(messages, tools)
+            ids, text = self.template.render_prompt(messages, tools, kwargs)
             hit = self._renders[key] = (tuple(ids), text)
             if len(self._renders) > 1024:
                 self._renders.popitem(last=False)
@@ -389,9 +408,10 @@ class TurnService:
             hit = self._token_text[token_id] = (text, list(text.encode()))
         return hit
 
-    def parser_for(self, req: TurnRequest) -> ToolParser | None:
-        """No tool parsing when no tools were offered (a JSON answer is then just text)."""
-        return self.parser if req.tools else None
+    def reply_parser(self, p: PreparedTurn) -> ReplyParser:
+        """A parser for the reply to a prepared turn: no tool parsing when no tools were offered (a JSON answer
+        is then just text); inside the reasoning from the start when the generation prompt opened it."""
+        return self.template.reply_parser(p.req.tools, p.prompt_text, reasoning=self.reasoning)
 
     async def finish(self, p: PreparedTurn, gen: Generation, *, client_disconnected: bool = False) -> FinishedTurn:
         text = self.template.completion_text(gen.ids)
@@ -399,7 +419,12 @@ class TurnService:
         if isinstance(matched, str) and matched in text:
             text = text[: text.index(matched)]
         raw_only = p.req.endpoint == "completions"
-        parsed = ParsedReply(text, None, []) if raw_only else parse_reply(text, self.parser_for(p.req), reasoning=self.reasoning)
+        if raw_only:
+            parsed = ParsedReply(text, None, [])
+        else:
+            parser = self.reply_parser(p)
+            parser.feed(text)
+            parsed = parser.finish()
         ftype = "abort" if client_disconnected else gen.finish_type
         finish = {"stop": "tool_calls" if parsed.tool_calls else "stop", "length": "length"}.get(ftype, "abort")
         reply = {} if raw_only or (client_disconnected and not gen.ids) else self.template.assistant_message(parsed)
@@ -409,7 +434,9 @@ class TurnService:
             id=p.turn_id,
             parent_id=p.parent_id,
             endpoint=p.req.endpoint,
-            request={"messages": p.req.messages, "tools": p.req.tools, "asked": p.req.asked, "sampling": p.sampling},
+            request={"messages": p.req.messages, "tools": p.req.tools, "asked": p.req.asked, "sampling": p.sampling,
+                     # Only when there are some: a turn's record stays as it was for the many without.
+                     **({"chat_template_kwargs": p.template_kwargs} if p.template_kwargs and not raw_only else {})},
             reply=reply,
             prompt_ids=pack(p.prompt_delta, "int32"),
             prompt_len=len(p.prompt_ids),
@@ -439,7 +466,7 @@ class TurnService:
         else:
             self.cache.record(
                 p.auth.id, seq, p.turn_id, p.req.messages, {} if raw_only else reply, p.req.tools, p.prompt_ids,
-                gen.ids, p.prompt_text,
+                gen.ids, p.prompt_text, p.template_kwargs or None,
             )
         self.metrics.turn_stored(
             continuity="extends" if p.parent_id else "new-chain", prompt_tokens=len(p.prompt_ids), completion_tokens=len(gen.ids),

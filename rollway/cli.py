@@ -170,7 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     _setting(s, "--public-url", "public_url", help="base URL handed to agents (empty: from each request)")
     _setting(s, "--served-model-name", "served_model_name",
              help="model name in replies (empty: the model folder's name)")
-    _setting(s, "--tool-parser", "tool_parser", help="tool-call format: hermes | llama3_json")
+    _setting(s, "--tool-parser", "tool_parser",
+             help="tool-call format: auto (from the chat template) | hermes | qwen3_coder | llama3_json | mistral | "
+             "deepseek | glm45 | kimi_k2 | harmony | granite | none (docs/models.md)")
+    _setting(s, "--reasoning-parser", "reasoning_parser",
+             help="reasoning format: auto (from the chat template) | think | mistral | harmony | none")
     _setting(s, "--context-length", "context_length", type=int,
              help="fallback when backend and config don't say (0: unknown)")
     s.set_defaults(fn=_serve)

@@ -120,64 +120,95 @@ def token_logprobs(
     temperature: Tensor,
     with_entropy: bool = False,
     chunk_tokens: int | None = None,
+    head_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """log softmax(logits / T)[target] per position, and optionally the entropy of that distribution.
 
-    logits (B, T, V), targets (B, T) int, temperature (B, T) (one value per token, > 0).
+    logits (B, T, V), targets (B, T) int, temperature (B, T) (one value per token, > 0). With `head_weight`
+    (V, H), `logits` are the hidden states (B, T, H) and the logits are `hidden @ head_weight.T`, made a
+    chunk at a time (the lm_head fused in: the (B, T, V) logits never exist).
     Computed in float32 whatever the logits' dtype, as the inference server does, `chunk_tokens`
     positions at a time (default: CHUNK_ELEMENTS // V): no (B, T, V) float32 copy is made in the forward
-    or kept for the backward, which recomputes each chunk's softmax from the logits. The values and the
-    gradient are those of `full_token_logprobs` (tests/trainer/test_chunked_logprobs.py). The entropy is
-    a metric: it carries no gradient.
+    or kept for the backward, which recomputes each chunk's softmax. The values and the gradients are
+    those of `full_token_logprobs` (tests/trainer/test_chunked_logprobs.py). The entropy is a metric: it
+    carries no gradient.
     """
-    b, t, v = logits.shape
+    b, t, d = logits.shape
+    v = d if head_weight is None else head_weight.shape[0]
     chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // v)
     logp, entropy = _ChunkedLogprobs.apply(
-        logits.reshape(b * t, v), targets.reshape(-1), temperature.reshape(-1), chunk, with_entropy
+        logits.reshape(b * t, d),
+        head_weight,
+        targets.reshape(-1),
+        temperature.reshape(-1),
+        chunk,
+        with_entropy,
     )
     return logp.view(b, t), entropy.view(b, t) if with_entropy else None
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """(N, V) logits -> (N,) logprobs of the targets and (N,) entropies, a chunk of rows at a time.
+    """(N, V) logits, or (N, H) hidden states and a (V, H) head -> (N,) logprobs of the targets and (N,)
+    entropies, a chunk of rows at a time.
 
-    d logp_n / d logits_n = (onehot(target_n) - softmax(logits_n / T_n)) / T_n; the backward recomputes the
-    softmax of each chunk from the saved logits and the saved log-normaliser, so what it keeps between the
-    passes is the logits the model made anyway (in their own dtype) and one float per token.
+    d logp_n / d logits_n = (onehot(target_n) - softmax(logits_n / T_n)) / T_n; the backward recomputes each
+    chunk's logits (with a head) and softmax from what the forward saved: its inputs, which exist anyway,
+    and one float per token (the log-normaliser).
     """
 
     @staticmethod
     def forward(
-        ctx: Any, logits: Tensor, targets: Tensor, temperature: Tensor, chunk: int, with_entropy: bool
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor | None,
+        targets: Tensor,
+        temperature: Tensor,
+        chunk: int,
+        with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
-        n = logits.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        n = x.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=x.device)
         lse = torch.empty_like(logp)
-        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=x.device)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            logp_all = logits[s:e].float() / temperature[s:e, None]  # (c, V) float32
+            logp_all = _logits(x[s:e], weight).float() / temperature[s:e, None]  # (c, V) float32
             lse[s:e] = torch.logsumexp(logp_all, dim=-1)
             logp_all -= lse[s:e, None]  # in place: log_softmax of the chunk
             logp[s:e] = logp_all.gather(-1, targets[s:e, None]).squeeze(-1)
             if with_entropy:
                 entropy[s:e] = -logp_all.exp().mul_(logp_all).sum(-1)
-        ctx.save_for_backward(logits, targets, temperature, lse)
+        ctx.save_for_backward(x, weight, targets, temperature, lse)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx: Any, grad_logp: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
-        logits, targets, temperature, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)
+        x, weight, targets, temperature, lse = ctx.saved_tensors
+        grad_x = torch.empty_like(x)
+        # the head's gradient summed over chunks in float32 (one bf16 product per chunk, as autograd makes one)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         scale = grad_logp.float() / temperature  # (N,) d loss / d logp / T
-        for s in range(0, logits.shape[0], ctx.chunk):
-            e = min(s + ctx.chunk, logits.shape[0])
-            g = (logits[s:e].float() / temperature[s:e, None]).sub_(lse[s:e, None]).exp_()  # softmax (c, V)
-            g.mul_(-scale[s:e, None]).scatter_add_(-1, targets[s:e, None], scale[s:e, None])
-            grad[s:e] = g
-        return grad, None, None, None, None
+        for s in range(0, x.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, x.shape[0])
+            g = (_logits(x[s:e], weight).float() / temperature[s:e, None]).sub_(lse[s:e, None]).exp_()
+            g.mul_(-scale[s:e, None]).scatter_add_(
+                -1, targets[s:e, None], scale[s:e, None]
+            )  # d loss / d logits
+            if weight is None:
+                grad_x[s:e] = g
+            else:
+                g = g.to(x.dtype)  # the dtype autograd would give the logits' gradient
+                torch.mm(g, weight, out=grad_x[s:e])
+                if grad_w is not None:
+                    grad_w += g.T @ x[s:e]
+        # x @ weight.T needs one dtype for both, so x's is the weight's
+        return grad_x, None if grad_w is None else grad_w.to(x.dtype), None, None, None, None
+
+
+def _logits(x: Tensor, weight: Tensor | None) -> Tensor:
+    return x if weight is None else x @ weight.T
 
 
 def full_token_logprobs(

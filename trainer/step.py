@@ -13,7 +13,9 @@ multiplied by the world size to make the averaged gradient the gradient of that 
 
 from __future__ import annotations
 
+import inspect
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -29,13 +31,49 @@ LossFn = Callable[[int, int, MicroBatch, Tensor, float], tuple[Tensor, dict[str,
 """(minibatch index, micro index, micro-batch, current logprobs, normalizer) -> (loss, metric sums)."""
 
 
+PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+"""Model types whose logits are exactly `lm_head(final hidden state)` (no softcapping, no logit scale)."""
+
+
+def fused_head(model: nn.Module) -> bool:
+    """Whether `forward_logprobs` can apply the lm_head itself, a chunk of tokens at a time: a plain head and
+    a transformers version whose forward takes `logits_to_keep` (so the model itself makes no logits)."""
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    return (
+        getattr(config, "model_type", None) in PLAIN_HEAD_MODELS
+        and isinstance(head, nn.Linear)
+        and head.bias is None
+        and "logits_to_keep" in inspect.signature(model.forward).parameters
+    )
+
+
 def forward_logprobs(
     model: nn.Module,
     mb: MicroBatch,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    logits = model(input_ids=mb.input_ids, use_cache=False).logits  # (B, T, V)
-    return token_logprobs(logits, mb.targets, mb.temperature, with_entropy)
+    """Logprobs (B, T) of the targets, and optionally the entropies, under `model`.
+
+    With a plain head the full (B, T, V) logits are never made: the model runs with no positions to keep,
+    and `token_logprobs` applies the head to the final hidden states a chunk at a time. Under FSDP2 the head's
+    weight is then the root module's gathered one: FSDP2 keeps the root's parameters gathered after its
+    forward, and reduces their gradients at the end of the backward (tests/trainer/test_chunked_logprobs.py).
+    """
+    if not fused_head(model):
+        logits = model(input_ids=mb.input_ids, use_cache=False).logits  # (B, T, V)
+        return token_logprobs(logits, mb.targets, mb.temperature, with_entropy)
+    head = model.get_submodule("lm_head")
+    none = torch.zeros(0, dtype=torch.long, device=mb.input_ids.device)
+    with warnings.catch_warnings():
+        # FSDP2 warns that hidden_states[0] (the embedding output) is a view, unsafe to modify in place;
+        # nothing here does
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        out = model(input_ids=mb.input_ids, use_cache=False, logits_to_keep=none, output_hidden_states=True)
+    hidden = out.hidden_states[-1]  # (B, T, H), after the final norm
+    return token_logprobs(
+        hidden, mb.targets, mb.temperature, with_entropy, head_weight=head.get_parameter("weight")
+    )
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionReque
 from gateway.routes.common import json_response
 from gateway.routes.replies import logprobs_content, read_turn_body, run_to_end, usage
 from gateway.routes.streaming import stream_turn
-from gateway.templating import ChatTemplate
+from gateway.templating import RESERVED_TEMPLATE_KWARGS, ChatTemplate
 from gateway.turns import TurnRequest, TurnService, require_tools_supported
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
@@ -69,7 +69,11 @@ def chat_turn_request(body: ChatCompletionRequest, body_bytes: int = 0) -> TurnR
         schema = (body.response_format.json_schema or {}).get("schema", {"type": "object"})
         json_schema = json.dumps(schema if body.response_format.type == "json_schema" else {"type": "object"})
     top = body.top_logprobs or 0
-    asked = body.model_dump(exclude={"messages", "tools"}, exclude_none=True)
+    asked = body.model_dump(exclude={"messages", "tools", "chat_template_kwargs"}, exclude_none=True)
+    kwargs = body.chat_template_kwargs or {}
+    if taken := sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys()):
+        raise BadRequest(f"chat_template_kwargs may not set {', '.join(taken)}: the gateway sets them",
+                         param="chat_template_kwargs")
     return TurnRequest(
         endpoint="chat",
         messages=[message_dict(m, i) for i, m in enumerate(body.messages)],
@@ -83,6 +87,7 @@ def chat_turn_request(body: ChatCompletionRequest, body_bytes: int = 0) -> TurnR
         top_logprobs=top if body.logprobs else 0,
         json_schema=json_schema,
         body_bytes=body_bytes,
+        template_kwargs=kwargs,
     )
 
 

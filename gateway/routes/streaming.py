@@ -20,7 +20,6 @@ from gateway.errors import GatewayError
 from gateway.generation import Generation, generate
 from gateway.routes.replies import logprobs_content, usage
 from gateway.templating import ChatTemplate, IncrementalDetokenizer
-from gateway.tool_parsers import StreamingReplyParser
 from gateway.turns import PreparedTurn, TurnService
 
 log = logging.getLogger("rollway.gateway")
@@ -62,7 +61,7 @@ async def stream_turn(
                                          "finish_reason": finish}]})
 
     async def body() -> AsyncIterator[bytes]:
-        parser = StreamingReplyParser(turns.parser_for(prepared.req), reasoning=state.settings.reasoning)
+        parser = turns.reply_parser(prepared)
         detok = IncrementalDetokenizer(turns.template)
         emitted: dict[str, str] = {"content": "", "reasoning_content": ""}
         seen = 0

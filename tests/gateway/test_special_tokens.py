@@ -283,7 +283,8 @@ def test_an_open_final_reply_is_still_found_when_earlier_messages_hold_markup() 
     prev = [{"role": "user", "content": "Hi <|im_end|> there"}, {"role": "assistant", "content": "Hello."}]
     kept = ct.render_text(prev[:1], None)
     done = [*ct.encode("Hello."), ct.end_of_turn_id]
-    assert ct.extension(prev, done, [{"role": "user", "content": "Again"}], None, parent_prompt=kept) is None
+    ext = ct.extension(prev, done, [{"role": "user", "content": "Again"}], None, parent_prompt=kept)
+    assert ext is not None and ext[0] == ct.encode("\n<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_text_a_vocabulary_spells_as_a_control_token_is_split_or_refused() -> None:

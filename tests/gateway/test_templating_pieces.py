@@ -70,8 +70,13 @@ def test_template_that_leaves_the_final_reply_open() -> None:
     ct = ChatTemplate(chatml_tokenizer(), chat_template=OPEN_FINAL_REPLY)
     done = [*ct.encode("Hello."), ct.end_of_turn_id]
     # "...Hi<|im_end|>\n<|im_start|>assistant\nHello." is a prefix of the longer render, but the reply has
-    # no end-of-turn of its own there; taking Hi's would put the reply's text into the bridge.
-    assert extension_ids(ct, THOUGHTFUL, done, [{"role": "user", "content": "Again"}], None) is None
+    # no end-of-turn of its own there; taking Hi's would put the reply's text into the bridge. What the longer
+    # render writes next starts with the stop token the model emitted (as GLM's next header does): the chain
+    # holds it once, and the extension is what follows it.
+    ext = extension_ids(ct, THOUGHTFUL, done, [{"role": "user", "content": "Again"}], None)
+    assert ext == ct.encode("\n<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n")
+    cut_off = ct.encode("Hello.")  # no stop token emitted: nothing to tell where the reply ends
+    assert extension_ids(ct, THOUGHTFUL, cut_off, [{"role": "user", "content": "Again"}], None) is None
 
 
 def test_template_that_rewrites_history() -> None:

@@ -25,7 +25,7 @@ def calls(reply: ParsedReply) -> list[tuple[str, str]]:
 
 
 def test_unknown_parser_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown tool parser 'qwen'; known: hermes, llama3_json"):
+    with pytest.raises(ValueError, match=r"unknown tool parser 'qwen'; known: deepseek, glm45, granite, harmony, hermes, kimi_k2, llama3_json, mistral, qwen3_coder"):
         get_tool_parser("qwen")
 
 

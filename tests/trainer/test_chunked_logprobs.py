@@ -1,5 +1,6 @@
 """`token_logprobs` (chunked) against `full_token_logprobs` (the whole (B, T, V) at once): same logprobs,
-entropy and gradients, whatever the chunk size, and what the backward keeps is only the logits."""
+entropy and gradients, whatever the chunk size, and what the backward keeps is only the logits; and
+`forward_logprobs` with the lm_head fused in against the model's own logits, plain and under FSDP2."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from tests.trainer.trainer_fakes import make_tiny_model
+from trainer.batching import MicroBatch, Row, collate
 from trainer.loss import full_token_logprobs, token_logprobs
+from trainer.step import forward_logprobs, fused_head
 
 
 def inputs(b: int = 3, t: int = 7, v: int = 50, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -74,7 +78,7 @@ def test_model_parameter_gradients_match(tiny_model: Path) -> None:
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(model.parameters()))
     for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=lambda m, name=name: f"{name}: {m}")
 
 
 def saved_bytes(fn: object, logits: Tensor, targets: Tensor, temperature: Tensor) -> int:
@@ -99,3 +103,68 @@ def test_backward_keeps_only_the_logits() -> None:
     full = saved_bytes(full_token_logprobs, logits, targets, temperature)
     assert chunked == n * v * 2 + n * (8 + 4 + 4)  # logits + targets (int64), temperature, log-normaliser
     assert full >= n * v * 4
+
+
+def microbatch(seed: int = 4) -> MicroBatch:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in (13, 9, 11):
+        temps = (torch.rand(n, generator=g) * 1.5 + 0.5).tolist()
+        mask = [0] * 3 + [1] * (n - 3)
+        rows.append(Row(torch.randint(0, 512, (n,), generator=g).tolist(), mask, [0.0] * n, [1.0] * n, temps))
+    return collate(rows)
+
+
+def reference(model: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor | None]:
+    """The model's own (B, T, V) logits, then the whole log-softmax."""
+    logits = model(input_ids=mb.input_ids, use_cache=False).logits
+    return full_token_logprobs(logits, mb.targets, mb.temperature, with_entropy=True)
+
+
+def assert_close_to_scale(got: Tensor, expected: Tensor, name: str) -> None:
+    """Within 1e-6 of the gradient's largest entry: float32 sums over tokens taken in another order
+    (a chunk at a time) differ by a few ulps of their largest terms, not of each small result."""
+    worst = (got - expected).abs().max().item() / expected.abs().max().item()
+    assert worst <= 1e-6, (name, worst)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_fused_head_equals_the_models_logits(tmp_path: Path, tie: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path / "model", tie=tie)
+    mb = microbatch()
+    results = []
+    for fn in (reference, forward_logprobs):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert fused_head(model)
+        logp, ent = fn(model, mb, True) if fn is forward_logprobs else fn(model, mb)
+        weighted(logp, mb.loss_mask).backward()
+        results.append((logp, ent, {n: p.grad for n, p in model.named_parameters()}))
+    (ref, ref_ent, ref_grads), (got, ent, grads) = results
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(ent, ref_ent)
+    assert all(g is not None for g in grads.values()) and (tie or "lm_head.weight" in grads)
+    for name, g in grads.items():
+        assert_close_to_scale(g, ref_grads[name], name)
+
+
+def test_fused_head_under_fsdp_equals_a_plain_model(tiny_model: Path, dist_env: None) -> None:
+    # the head's weight is the root's gathered one; its gradient must come back to the shards
+    from transformers import AutoModelForCausalLM
+
+    from trainer.fsdp import init_distributed, load_sharded_model
+
+    mb = microbatch(seed=5)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ref, _ = reference(plain, mb)
+    weighted(ref, mb.loss_mask).backward()
+    sharded = load_sharded_model(str(tiny_model), init_distributed(force_cpu=True))
+    for _ in range(2):  # a second pass: gradients accumulate, as over micro-batches
+        got, _ = forward_logprobs(sharded, mb)
+        weighted(got, mb.loss_mask).backward()
+    torch.testing.assert_close(got, ref)
+    for name, p in sharded.named_parameters():
+        expected = plain.get_parameter(name).grad
+        assert p.grad is not None and expected is not None, name
+        assert_close_to_scale(p.grad.full_tensor(), 2 * expected, name)
