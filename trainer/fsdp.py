@@ -73,14 +73,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
-def shard_model(model: nn.Module, info: DistInfo) -> nn.Module:
+def shard_model(model: nn.Module, info: DistInfo, *, wrap_one_cpu_rank: bool = False) -> nn.Module:
     """fully_shard each decoder layer, then the root; parameters move to `info.device`.
 
     One CPU rank is left unwrapped: there is nothing to shard or reduce, and FSDP2's hooks and DTensor
     parameters cost ~10% of each step of the demo's model (benchmarks/loop.py: 0.36 -> 0.31 s of forward/backward
     + AdamW a step, 64 sequences). Everything downstream (DCP checkpoints, the HF export, gradient clipping)
-    takes a plain module as well. On CUDA the wrap stays even for one rank: it carries the bf16 mixed precision."""
-    if info.world_size == 1 and info.device.type == "cpu":
+    takes a plain module as well. On CUDA the wrap stays even for one rank: it carries the bf16 mixed precision.
+    `wrap_one_cpu_rank` wraps it anyway (tests of the FSDP2 code paths on one process)."""
+    if info.world_size == 1 and info.device.type == "cpu" and not wrap_one_cpu_rank:
         return model
     if info.device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -153,13 +153,14 @@ def test_fused_head_under_fsdp_equals_a_plain_model(tiny_model: Path, dist_env: 
     # the head's weight is the root's gathered one; its gradient must come back to the shards
     from transformers import AutoModelForCausalLM
 
-    from trainer.fsdp import init_distributed, load_sharded_model
+    from trainer.fsdp import init_distributed, shard_model
 
     mb = microbatch(seed=5)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     ref, _ = reference(plain, mb)
     weighted(ref, mb.loss_mask).backward()
-    sharded = load_sharded_model(str(tiny_model), init_distributed(force_cpu=True))
+    sharded = shard_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                          init_distributed(force_cpu=True), wrap_one_cpu_rank=True)
     for _ in range(2):  # a second pass: gradients accumulate, as over micro-batches
         got, _ = forward_logprobs(sharded, mb)
         weighted(got, mb.loss_mask).backward()
