@@ -137,8 +137,10 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
         app.state.leases = leases
         app.state.publisher = publisher
         app.state.admission = Admission(leases, settings, metrics)
-        app.state.completions = Changes()  # a group may have completed: lease long-polls look again
-        app.state.budget = Changes()  # room under the staleness budget: waiting group creations look again
+        app.state.completions = Changes(poll_s=0.25)  # a group completed: lease long-polls look again
+        app.state.budget = Changes(poll_s=1.0)  # room under the staleness budget: a waiting creation looks again
+        store.on_group_end = lambda state: (app.state.completions.notify() if state == "complete"
+                                            else app.state.budget.notify_one())
         app.state.context_length = ctx
         app.state.model_name = served_name(settings)
         app.state.turns = TurnService(

@@ -2,13 +2,15 @@
 `wait_seconds`) and a runner waiting for room under the staleness budget (`POST /v1/groups` with
 `wait_seconds`).
 
-Every change those waits are for goes through a route of this process, which calls `notify()` on the channel
-of that wait: `app.state.completions` when a group may have completed (a session rewarded or finished), which
-lease long-polls wait on; `app.state.budget` when a group left the staleness budget or the budget grew (a group
-dropped: abandoned or filtered; a version published), which group creations wait on. A wait re-checks the store
-at once then, instead of at its next poll. Changes made through another gateway sharing the store are seen by the
-periodic re-check alone (`poll_s`). Two channels, because an admission check is a count over the groups table:
-woken by every reward (one per session), the waiting creations took a fifth of the gateway's CPU.
+Two channels, on `app.state`:
+- `completions`: a group completed (the store's `on_group_end`). Every waiting lease looks again (`notify`).
+- `budget`: room may have opened under the staleness budget (a version published, a group dropped: filtered,
+  abandoned, too few sessions). One waiting creation at a time looks (`notify_one`, oldest first); one that gets
+  in passes the wake-up on, one that finds no room keeps it. An admission check is a count over the groups
+  table: woken all at once, a few dozen waiting creations took a fifth of the gateway's CPU
+  (py-spy on benchmarks/loop.py).
+A wake-up saves the wait for the next poll; changes made through another gateway sharing the store are seen by
+the periodic re-check alone (`poll_s`).
 
 Measured on the demo's loop (benchmarks/loop.py, 2 cores): with a 0.25 s lease poll and a runner that slept the
 429's `Retry-After: 1` s, the trainer waited ~0.6 s per step for groups the engine could have made in that time.
@@ -18,22 +20,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 
 
 class Changes:
-    poll_s = 0.25
-    """Longest sleep between two checks of a waiter (what other gateways' changes can take to be seen)."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
+    def __init__(self, poll_s: float) -> None:
+        self.poll_s = poll_s
+        """Longest sleep between two checks of a waiter (what other gateways' changes can take to be seen)."""
+        self._waiters: deque[asyncio.Future[None]] = deque()
 
     def notify(self) -> None:
-        """Something a waiter may be waiting for happened: every current waiter checks again now."""
-        self._event.set()
-        self._event = asyncio.Event()
+        """Every current waiter checks again now."""
+        while self._waiters:
+            self.notify_one()
+
+    def notify_one(self) -> None:
+        """The oldest current waiter checks again now."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     async def wait(self, timeout: float) -> None:
-        """Until the next `notify()`, or `min(timeout, poll_s)` seconds."""
-        event = self._event
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), max(0.0, min(timeout, self.poll_s)))
+        """Until woken, or `min(timeout, poll_s)` seconds."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(waiter), max(0.0, min(timeout, self.poll_s)))
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)

@@ -38,6 +38,8 @@ async def create_group(request: Request) -> Response:
                 gid, creds = await store.create_group(
                     body.task, body.n_samples, sampling=sampling, metadata=body.metadata, is_eval=body.eval
                 )
+            if admission is not None and body.wait_seconds:
+                request.app.state.budget.notify_one()  # there may be room for the next waiting one too
             break
         except TooManyRequests:  # the staleness budget is full: wait for room (a publish, a group dropped)
             if time.monotonic() >= deadline or await request.is_disconnected():
@@ -101,7 +103,6 @@ async def reward(request: Request, session_id: str) -> Response:
         session_id, body.reward, [(t.turn_id, t.reward) for t in body.turn_rewards or []] or None,
         finish=body.finish,
     )
-    request.app.state.completions.notify()  # its group may be complete now: a waiting lease takes it at once
     return json_response({"session_id": session_id, "ok": True, "state": state})
 
 
@@ -109,7 +110,6 @@ async def reward(request: Request, session_id: str) -> Response:
 async def finish(request: Request, session_id: str) -> Response:
     await admin_or_session(request, session_id)
     state = await request.app.state.store.end_session(session_id, "finished", None)
-    request.app.state.completions.notify()
     return json_response({"session_id": session_id, "state": state})
 
 
@@ -118,6 +118,4 @@ async def abandon(request: Request, session_id: str) -> Response:
     await admin_or_session(request, session_id)
     body = await read_body(request, AbandonRequest)
     state = await request.app.state.store.end_session(session_id, "abandoned", body.reason)
-    request.app.state.completions.notify()  # the group may be complete without it
-    request.app.state.budget.notify()  # or dropped: it leaves the staleness budget
     return json_response({"session_id": session_id, "state": state})

@@ -86,7 +86,7 @@ async def ack(request: Request, batch_id: str) -> Response:
     await admin(request)
     body = await read_body(request, AckBody)
     await request.app.state.leases.ack(batch_id, body.results)
-    request.app.state.budget.notify()  # filtered groups leave the staleness budget: room for new ones
+    request.app.state.budget.notify_one()  # filtered groups leave the staleness budget: room for new ones
     return json_response({"batch_id": batch_id, "state": "acked"})
 
 
@@ -97,7 +97,7 @@ async def publish(request: Request) -> Response:
     batch_ids = [*([body.batch_id] if body.batch_id else []), *body.batch_ids]
     await request.app.state.registry.reload()  # backends another gateway added take part (or are brought up)
     out = await request.app.state.publisher.publish(body.version, body.model_path, batch_ids, body.results)
-    request.app.state.budget.notify()  # a new version widens the staleness budget
+    request.app.state.budget.notify_one()  # a new version widens the staleness budget
     return json_response(out)
 
 

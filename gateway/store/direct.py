@@ -88,10 +88,10 @@ _REWARD_READ = (f"SELECT s.group_id, s.state, s.reward, g.state, g.n_samples FRO
                 f"JOIN {G.name} g ON g.id = s.group_id WHERE s.id = {{}}")
 
 
-async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: bool) -> str:
+async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
     """`Store.set_reward` for a session reward (no per-turn rewards), with the same checks, errors and writes:
     the reward, with `finish` the session's end, and the group's completion, in the caller's transaction.
-    Returns the session's state after the call.
+    Returns the session's state after the call, and the group's new state if it moved ("complete", "dropped").
 
     The Core path ran 6-7 statements through SQLAlchemy for this, the gateway's most frequent write after the turn
     itself (one per session): py-spy on the demo's loop (benchmarks/loop.py) put it at ~30% of the gateway's CPU."""
@@ -114,17 +114,20 @@ async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: b
     if sets:
         await fetch(f"UPDATE {S.name} SET {', '.join(f'{k} = {{}}' for k in sets)} WHERE id = {{}}",
                     *sets.values(), session_id)
+    group_end: str | None = None
     if group_state == "open":  # Store._refresh_group, statement for statement
         sessions = await fetch(f"SELECT state, reward FROM {S.name} WHERE group_id = {{}}", group_id)
         live = [r for r in sessions if r[0] != "abandoned"]
         if len(live) < min(2, n_samples):
             if all(r[0] != "active" for r in sessions):
+                group_end = "dropped"
                 await fetch(f"UPDATE {G.name} SET state = {{}}, drop_reason = {{}}, completed_at = {{}} WHERE id = {{}}",
-                            "dropped", "too_few_sessions", time.time(), group_id)
+                            group_end, "too_few_sessions", time.time(), group_id)
         elif all(r[0] == "finished" and r[1] is not None for r in live):
+            group_end = "complete"
             await fetch(f"UPDATE {G.name} SET state = {{}}, completed_at = {{}} WHERE id = {{}}",
-                        "complete", time.time(), group_id)
-    return str(state)
+                        group_end, time.time(), group_id)
+    return str(state), group_end
 
 
 class _TransactionFailed(Exception):
@@ -214,7 +217,7 @@ class SqliteStatements:
             raise
         return results
 
-    async def reward_session(self, session_id: str, reward: float, finish: bool) -> str:
+    async def reward_session(self, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
         """`reward_session` in one transaction, under the store's write lock (as every write to the file)."""
 
         async def fetch(sql: str, *params: Any) -> list[Any]:
@@ -280,7 +283,7 @@ class PgStatements:
             raise NotFound(f"no session {session_id}")
         return int(seq)
 
-    async def reward_session(self, session_id: str, reward: float, finish: bool) -> str:
+    async def reward_session(self, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
         """`reward_session` in one transaction. The first read locks the session's row and its group's (FOR
         UPDATE), so two sessions of a group finishing at once complete it in turn: each sees the other's end."""
         async with self.pool.acquire() as conn, conn.transaction():

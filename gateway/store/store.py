@@ -17,7 +17,7 @@ import os
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -94,6 +94,9 @@ class Store:
         self._write_lock = asyncio.Lock() if engine.dialect.name == "sqlite" else None
         self.direct: Direct | None = None
         """The per-call statements straight to the driver; set by `open`."""
+        self.on_group_end: Callable[[str], None] | None = None
+        """Called with "complete" or "dropped" once a commit moved a group there (by a session's reward, end or
+        idle timeout): the gateway wakes the long-polls waiting for that (gateway/changes.py)."""
 
     async def open(self) -> None:
         """Open the direct path of the per-call statements (see `direct.py`)."""
@@ -202,7 +205,19 @@ class Store:
         """Set a session's reward (or per-turn rewards); with `finish`, also finish it in the same transaction.
         Returns the session's state after the call."""
         if self.direct is not None and reward is not None and not turn_rewards:
-            return await self.direct.reward_session(session_id, reward, finish)
+            state, group_end = await self.direct.reward_session(session_id, reward, finish)
+        else:
+            state, group_end = await self._set_reward(session_id, reward, turn_rewards, finish)
+        self._group_ended(group_end)
+        return state
+
+    def _group_ended(self, group_state: str | None) -> None:
+        if group_state is not None and self.on_group_end is not None:
+            self.on_group_end(group_state)
+
+    async def _set_reward(
+        self, session_id: str, reward: float | None, turn_rewards: list[tuple[str, float]] | None, finish: bool,
+    ) -> tuple[str, str | None]:
         async with self.begin() as conn:
             sess = await self._session_for_update(conn, session_id)
             if sess.state == "abandoned":  # nothing changes an abandoned session (docs/http-api.md, "Lifecycle")
@@ -240,8 +255,8 @@ class Store:
                 await conn.execute(
                     update(S).where(S.c.id == session_id).values(state=state, end_reason=None, ended_at=time.time())
                 )
-            await self._refresh_group(conn, sess.group_id)
-            return state
+            group_end = await self._refresh_group(conn, sess.group_id)
+        return state, group_end
 
     async def end_session(self, session_id: str, state: str, reason: str | None) -> str:
         """finish or abandon; returns the session's state after the call (idempotent for the same end)."""
@@ -255,8 +270,9 @@ class Store:
             await conn.execute(
                 update(S).where(S.c.id == session_id).values(state=state, end_reason=reason, ended_at=time.time())
             )
-            await self._refresh_group(conn, sess.group_id)
-            return state
+            group_end = await self._refresh_group(conn, sess.group_id)
+        self._group_ended(group_end)
+        return state
 
     async def abandon_idle(self, idle_s: float) -> int:
         """Abandon sessions idle longer than `idle_s`; returns how many."""
@@ -274,8 +290,9 @@ class Store:
                 .where(S.c.id.in_([r.id for r in rows]))
                 .values(state="abandoned", end_reason="idle_timeout", ended_at=time.time())
             )
-            for gid in {r.group_id for r in rows}:
-                await self._refresh_group(conn, gid)
+            ends = [await self._refresh_group(conn, gid) for gid in {r.group_id for r in rows}]
+        for end in ends:
+            self._group_ended(end)
         return len(rows)
 
     async def _session_for_update(self, conn: DbConnection, session_id: str) -> Any:
@@ -287,11 +304,12 @@ class Store:
             raise NotFound(f"no session {session_id}")
         return row
 
-    async def _refresh_group(self, conn: DbConnection, group_id: str) -> None:
-        """open -> complete when every session is finished+rewarded or abandoned; drop when too few live."""
+    async def _refresh_group(self, conn: DbConnection, group_id: str) -> str | None:
+        """open -> complete when every session is finished+rewarded or abandoned; drop when too few live.
+        Returns the group's new state when it moved ("complete" or "dropped")."""
         g = (await conn.execute(select(G.c.state, G.c.n_samples).where(G.c.id == group_id))).one()
         if g.state != "open":
-            return
+            return None
         rows = (await conn.execute(select(S.c.state, S.c.reward).where(S.c.group_id == group_id))).all()
         live = [r for r in rows if r.state != "abandoned"]
         if len(live) < min(2, g.n_samples):
@@ -300,9 +318,12 @@ class Store:
                     update(G).where(G.c.id == group_id).values(state="dropped", drop_reason="too_few_sessions",
                                                                completed_at=time.time())
                 )
-            return
+                return "dropped"
+            return None
         if all(r.state == "finished" and r.reward is not None for r in live):
             await conn.execute(update(G).where(G.c.id == group_id).values(state="complete", completed_at=time.time()))
+            return "complete"
+        return None
 
     # --- reading ---------------------------------------------------------------------------------
 
