@@ -299,8 +299,9 @@ def report_memory(results: list[dict], default_tokens: int) -> None:
     for r in results:
         if r["extrapolated"]:
             peak = f"~{r['bytes_per_token'] * r['micro_batch_tokens'] / 2**20:.0f}"
-            print(f"{r['way']:>8} {r['micro_batch_tokens']:>18} {'':>7} {peak:>10} {'~':>1}{r['bytes_per_token'] / 1024:>9.1f}"
-                  f" {'(not run: over --max-gib; extrapolated)':>7}")  # fmt: skip
+            per_token = f"~{r['bytes_per_token'] / 1024:.1f}"
+            print(f"{r['way']:>8} {r['micro_batch_tokens']:>18} {'':>7} {peak:>10} {per_token:>10}   "
+                  "not run (over --max-gib): extrapolated from the run above")  # fmt: skip
         else:
             print(f"{r['way']:>8} {r['micro_batch_tokens']:>18} {r['tokens']:>7} {r['peak_bytes'] / 2**20:>10.0f} "
                   f"{r['bytes_per_token'] / 1024:>10.1f} {r['pass_s']:>7.1f} {r['pass_cpu_s']:>6.1f}")  # fmt: skip

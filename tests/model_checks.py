@@ -109,13 +109,15 @@ def render_reply(ct: ChatTemplate, messages: Sequence[dict[str, Any]], reply: di
             t = str(token.content)
             cut -= next((k for k in range(1, len(t)) if full.startswith(t, cut - k)), 0)
         text = full[cut:]
-        note = note or "the template renders history unlike the prompt: the reply is what its rendering adds"
+        note = "; ".join(filter(None, [note, "the template renders history unlike the prompt: the reply is what its "
+                                             "rendering adds to a rendering with another reply"]))
     reasoning = reply.get("reasoning_content")
     if reasoning and reasoning not in text and ct.reasoning_parser is not None and ct.opens_reasoning(prompt):
         close = ct.reasoning_parser.close
         # A rendering that closes an empty block itself (DeepSeek V3.1's `</think>`) gets the reasoning before it.
         text = reasoning + text if text.lstrip().startswith(close) else f"{reasoning}\n{close}\n\n{text}"
-        note = "the template drops reasoning from what it renders: the generation prompt's open block closed first"
+        note = "; ".join(filter(None, [note, "the template renders no reasoning: the generation prompt's open block "
+                                             "is closed after the reasoning, then the template's rendering"]))
     ids = ct.encode(text)
     stops = set(ct.stop_token_ids)
     cut = next((i for i, t in enumerate(ids) if t in stops), None)

@@ -36,7 +36,8 @@ def _settings(argv: list[str]) -> Settings:
     ({"ROLLWAY_PORT": "9001"}, ["--port", "9002"], "port", 9002),
     ({}, [], "port", 8000),
     ({"ROLLWAY_TOOL_PARSER": "llama3_json"}, [], "tool_parser", "llama3_json"),
-    ({}, [], "tool_parser", "hermes"),
+    ({}, [], "tool_parser", "auto"),
+    ({"ROLLWAY_REASONING_PARSER": "none"}, ["--reasoning-parser", "think"], "reasoning_parser", "think"),
     ({"ROLLWAY_DATA_DIR": "/d"}, [], "data_dir", Path("/d")),
     ({"ROLLWAY_MODEL": "/trained"}, [], "model", "/trained"),
 ])
@@ -135,7 +136,7 @@ def test_serve_help_shows_the_settings_defaults(capsys: pytest.CaptureFixture[st
         main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 8000; env ROLLWAY_PORT)" in text
-    assert "(default: hermes; env ROLLWAY_TOOL_PARSER)" in text
+    assert "(default: auto; env ROLLWAY_TOOL_PARSER)" in text
 
 
 # --- the admin key: environment, else DATA_DIR/admin_key, for every command ---

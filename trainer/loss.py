@@ -187,15 +187,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad_logp: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, targets, temperature, lse = ctx.saved_tensors
         grad_x = torch.empty_like(x)
-        # the head's gradient summed over chunks in float32 (one bf16 product per chunk, as autograd makes one)
+        # the head's gradient: each chunk's product in the weight's dtype (as the one product autograd would
+        # make), summed over the chunks in float32
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         scale = grad_logp.float() / temperature  # (N,) d loss / d logp / T
         for s in range(0, x.shape[0], ctx.chunk):
             e = min(s + ctx.chunk, x.shape[0])
             g = (_logits(x[s:e], weight).float() / temperature[s:e, None]).sub_(lse[s:e, None]).exp_()
-            g.mul_(-scale[s:e, None]).scatter_add_(
-                -1, targets[s:e, None], scale[s:e, None]
-            )  # d loss / d logits
+            # d loss / d logits = scale * (onehot - softmax)
+            g.mul_(-scale[s:e, None]).scatter_add_(-1, targets[s:e, None], scale[s:e, None])
             if weight is None:
                 grad_x[s:e] = g
             else:

@@ -255,6 +255,19 @@ def test_tools_must_match() -> None:
     assert choose_parent([cand("t1", T1, 1, tools=None)], [*T1, RESULT], []) == ParentChoice("t1", None)
 
 
+def test_template_kwargs_must_match() -> None:
+    """A turn rendered with other chat_template_kwargs (thinking on vs off) renders another prompt: not a parent,
+    and the reason says so; the same kwargs in another key order, or none on both sides, extend."""
+    on = Candidate("t1", T1, TOOLS, 1, {"enable_thinking": True, "x": 1})
+    assert choose_parent([on], [*T1, RESULT], TOOLS, {"enable_thinking": False}) == \
+        ParentChoice(None, "different_template_kwargs")
+    assert choose_parent([on], [*T1, RESULT], TOOLS, {"x": 1, "enable_thinking": True}) == ParentChoice("t1", None)
+    assert choose_parent([on], [*T1, RESULT], None, {"enable_thinking": False}) == ParentChoice(None, "different_tools")
+    assert choose_parent([cand("t1", T1, 1)], [*T1, RESULT], TOOLS, {}) == ParentChoice("t1", None)
+    assert choose_parent([cand("t1", T1, 1)], [*T1, RESULT], TOOLS, {"enable_thinking": False}) == \
+        ParentChoice(None, "different_template_kwargs")
+
+
 def test_edited_message() -> None:
     edited = [SYSTEM, {"role": "user", "content": "Weather in Lyon?"}, CALL, RESULT]
     assert choose_parent([cand("t1", T1, 1)], edited, TOOLS) == ParentChoice(None, "edited_message")

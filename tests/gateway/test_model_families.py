@@ -38,6 +38,7 @@ from tests.model_checks import (
     USER,
     check_family,
     render_reply,
+    template_of,
 )
 from tests.realfiles import BY_NAME, FAMILIES, Unavailable, models_dir, tokenizer_dir
 
@@ -68,6 +69,21 @@ def test_family(real_files: Path, name: str) -> None:
     assert not failed
     skipped = {col for col, (ok, _) in res.cells.items() if ok is None}
     assert skipped == (set() if name in THINKING else {"reasoning split"})
+
+
+FORMATS = {
+    "Qwen2.5": "hermes", "Qwen3": "hermes", "Qwen3-Coder": "qwen3_coder", "QwQ": "hermes", "Llama 3.1": "llama3_json",
+    "Llama 3.2": "llama3_json", "Hermes 3": "hermes", "DeepSeek-R1-Distill": "deepseek", "DeepSeek V3.1": "deepseek",
+    "Mistral Nemo": "mistral", "Mistral Small 3.2": "mistral", "GLM-4.6": "glm45", "Kimi-K2": "kimi_k2",
+    "gpt-oss": "harmony", "Granite 3.3": "granite", "Granite 4.0": "hermes",
+}
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES])
+def test_the_format_is_told_from_the_real_template(real_files: Path, name: str) -> None:
+    formats = template_of(BY_NAME[name]).formats
+    assert (formats.tool_parser, formats.tool_source) == (FORMATS[name], "template")
+    assert formats.reasoning_parser == ("harmony" if name == "gpt-oss" else "think")
 
 
 # --- through the gateway ----------------------------------------------------------------------------------
