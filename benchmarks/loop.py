@@ -19,8 +19,10 @@ Per seed:
   groups of 8 in flight, tasks in file order, and `rollway train` under torchrun (1 rank) with the demo's
   flags: 8 groups x 8 samples a step, lr 1e-4, advantages / group std, eta 2, wait 5 s, checkpoint every 50;
   every process OMP_NUM_THREADS=1, as the demo. The loop is rollway.demo._rl's, with timestamps (see
-  `drive_rollway`). The clock starts when the first group is requested (the trainer is spawned just before,
-  so its start-up counts); the trainer is stopped at the budget.
+  `drive_rollway`). The trainer is started first and the clock starts when it says it is set up (model and
+  optimizer loaded, about to lease: `trainer: 1 rank(s) on cpu` in its log) and the first group is requested:
+  neither side's process start and model load is counted (the demo starts its trainer before its held-out
+  eval, so there too its start-up is off the RL clock). The trainer is stopped at the budget.
 - TRL: benchmarks/trl_side.py in its own process with every core: GRPOTrainer, plain generate, 8 prompts x
   8 generations = 64 completions a step, lr 1e-4 constant, scale_rewards "group", T = 1, 8 new tokens,
   beta 0, the same exact-match reward on the same tasks and chat template; bf16 and gradient checkpointing
@@ -44,13 +46,15 @@ Figures:
   batch with zero advantage: `zero-std` is its share, rollway's analog is `filtered`).
 - CPU: each process tree's CPU time over the window / (window x cores): trainer (rollway train, torchrun,
   worker), engine, gateway, runner (this process: the agents' event loop), other (the rest of the machine).
-- rollway's trainer time split (from its metrics.jsonl, per step after the first): lease wait, train step
-  (plan + proximal pass + forward/backward + clip + optimizer: train.py logs them as one), checkpoint, HF
-  export, publish (the gateway's pause / load / continue / commit, export excluded), other (the rest of the
-  gap between two step logs). TRL's: generate + score, forward/backward + clip, optimizer, between steps.
-- engine: the engine exposes no batch occupancy or paused time. Shown instead: generations in flight as the
-  gateway saw them (turn prepare -> stored, from the store; the engine batches at most 64), and the gateway's
-  weight publish time (rollway_weight_publish_seconds: the engine is paused within it).
+- rollway's trainer time split (from its metrics.jsonl, per step after the first), the training thread's:
+  lease wait (the batch leased during the previous step not there yet), forward/backward (plan, passes,
+  backward), optimizer (clip + AdamW), checkpoint, HF export, publish wait (the previous version's publish not
+  done yet), other (the rest of the gap between two step logs); and on their own threads (trainer/pipeline.py):
+  the lease calls and the publish (the gateway's pause / load / continue / commit). TRL's: generate + score, forward/backward + clip, optimizer, between steps.
+- engine: from its `GET /metrics` over the window: the share of the time it was paused (publishes) and
+  computing (prefill and decode), decode batch occupancy (rows per decode step, at most 64), prefill rows
+  and rows actually computed (identical prompts once); generations in flight as the gateway saw them (turn
+  prepare -> stored, from the store), and the gateway's publish time (rollway_weight_publish_seconds).
 - rollway's 429s (admission refusals), groups dropped stale and token staleness, from /metrics and
   metrics.jsonl.
 
