@@ -25,17 +25,15 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from gateway.harmony import HarmonyReplyParser
+from gateway.tool_decoders import ParsedToolCall, Schemas, tool_schemas
 from gateway.tool_scanners import (
     SCANNERS,
     Delta,
     NoToolsScanner,
     ParsedReply,
-    ParsedToolCall,
-    Schemas,
     Stripper,
     ToolCallScanner,
     partial_marker_len,
-    tool_schemas,
 )
 
 __all__ = ["ParsedReply", "ParsedToolCall", "ReasoningParser", "ReplyParser", "StreamingReplyParser", "ToolParser",

@@ -25,9 +25,29 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _init_model(args: argparse.Namespace) -> int:
-    from engine.tiny_model import create_tiny_model
+    if args.arch is None:
+        if args.tokenizer is not None:
+            raise SystemExit("rollway init-model: --tokenizer DIR goes with --arch (qwen3, qwen2 or llama); "
+                             "without --arch the tiny demo model brings its own tokenizer")
+        if args.size == "small":
+            raise SystemExit("rollway init-model: --size small goes with --arch; the tiny demo model comes in "
+                             "tiny or 100m")
+        from engine.tiny_model import create_tiny_model
 
-    out = create_tiny_model(args.out, seed=args.seed, size=args.size)
+        out = create_tiny_model(args.out, seed=args.seed, size=args.size)
+        print(f"wrote {out}")
+        return 0
+    if args.tokenizer is None:
+        raise SystemExit(f"rollway init-model: --arch {args.arch} needs --tokenizer DIR, a local folder with the "
+                         "tokenizer files and chat template of the model family (e.g. a downloaded model's folder)")
+    if args.size == "100m":
+        raise SystemExit("rollway init-model: with --arch the sizes are tiny and small")
+    from engine.init_model import TokenizerFolderError, create_model
+
+    try:
+        out = create_model(args.out, arch=args.arch, tokenizer_dir=args.tokenizer, size=args.size, seed=args.seed)
+    except TokenizerFolderError as e:
+        raise SystemExit(f"rollway init-model: {e}") from None
     print(f"wrote {out}")
     return 0
 
@@ -190,12 +210,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream deltas instead of cumulative chunks (like SGLang's flag)")
     e.set_defaults(fn=_engine)
 
-    m = sub.add_parser("init-model", formatter_class=HelpFormatter, help="create the tiny local model and tokenizer",
-                       description="Write a tiny Qwen2-style HF model with a locally trained tokenizer and a "
-                       "tool-capable ChatML template. Deterministic for a seed; no download.")
+    m = sub.add_parser("init-model", formatter_class=HelpFormatter,
+                       help="create a small random model: the tiny demo one, or a real architecture on your tokenizer",
+                       description="Write a small random HF model folder; no download.\n\n"
+                       "Without --arch: the tiny demo model, a Qwen2-style model with a locally trained tokenizer "
+                       "and a tool-capable ChatML template.\n"
+                       "With --arch qwen3|qwen2|llama --tokenizer DIR: that architecture's own config (transformers' "
+                       "Qwen3Config, Qwen2Config, LlamaConfig) at a small size, on the tokenizer in DIR, a local "
+                       "folder (a model downloaded from the hub works; only its tokenizer files are read): the "
+                       "vocabulary size, bos/eos/pad ids and stop tokens come from it (the stop tokens from its "
+                       "generation_config.json when it has one), and its tokenizer files and chat template are "
+                       "copied in. The model's replies are noise until trained; it is there to run the whole loop "
+                       "(gateway, engine, trainer) on a real vocabulary and template.\n\n"
+                       "Weights are deterministic for a seed.",
+                       epilog="example: rollway init-model --out models/qwen3-tiny --arch qwen3 --tokenizer "
+                       "~/models/Qwen3-0.6B")
     m.add_argument("--out", required=True, metavar="DIR", help="folder to write the model into")
-    m.add_argument("--seed", type=int, default=0, help="weights and tokenizer are deterministic for a seed")
-    m.add_argument("--size", default="tiny", choices=["tiny", "100m"], help="tiny (the demo's) or ~100M parameters")
+    m.add_argument("--arch", default=None, choices=["qwen3", "qwen2", "llama"],
+                   help="a real architecture on the tokenizer of --tokenizer (default: the tiny demo model)")
+    m.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="with --arch: local folder with tokenizer.json (or tokenizer.model) and the chat template")
+    m.add_argument("--seed", type=int, default=0, help="weights (and the demo model's tokenizer) are deterministic "
+                   "for a seed")
+    m.add_argument("--size", default="tiny", choices=["tiny", "small", "100m"],
+                   help="without --arch: tiny (the demo's) or 100m (~100M parameters); with --arch: tiny (hidden "
+                   "64, 2 layers) or small (hidden 256, 4 layers)")
     m.set_defaults(fn=_init_model)
 
     r = sub.add_parser("rollout", formatter_class=HelpFormatter, help="run an agent over a task file, n samples per task",
