@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import re
 
+from gateway.tool_decoders import call_from_args
 from gateway.tool_scanners import (
     Delta,
     DeltaKind,
     ParsedReply,
     ParsedToolCall,
     Stripper,
-    call_from_args,
     partial_marker_len,
 )
 

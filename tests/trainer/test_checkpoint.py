@@ -13,7 +13,6 @@ from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, sa
 from trainer.fsdp import init_distributed, load_sharded_model
 
 
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a DTensor's (FSDP2 over several ranks) or a plain one (one CPU rank is not wrapped)."""
     full = getattr(t, "full_tensor", None)
