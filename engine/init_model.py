@@ -109,7 +109,7 @@ def load_tokenizer(src: Path) -> Any:
                                    f"give the folder of a Hugging Face model or tokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
-    except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
+    except Exception as e:  # the `tokenizers` library reports a malformed tokenizer.json as a plain Exception
         raise TokenizerFolderError(f"transformers cannot load the tokenizer in {src}: {e}") from e
     if not tokenizer.chat_template:
         raise TokenizerFolderError(f"the tokenizer in {src} has no chat template (the gateway renders every prompt "
@@ -132,7 +132,9 @@ def stop_ids(src: Path, tokenizer: Any) -> list[int]:
             return [int(i) for i in ids]
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     vocab = tokenizer.get_vocab()
-    ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in tokenizer.chat_template]
+    template = tokenizer.chat_template
+    text = template if isinstance(template, str) else " ".join(template.values())  # or named templates
+    ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in text]
     if not ids:
         raise TokenizerFolderError(f"the tokenizer in {src} names no eos token and the folder has no "
                                    f"generation_config.json: the engine would not know when a reply ends; set "

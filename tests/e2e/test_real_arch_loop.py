@@ -132,7 +132,7 @@ def test_agent_gateway_engine_one_training_step_publish_next_turn(
                 weights = httpx.get(f"{gateway}/v1/weights", headers=admin, timeout=30).json()
                 assert weights["version"] == 1, weights
                 published = Path(weights["model_path"])
-                assert published.parent == train_out / "weights"
+                assert published.parent.resolve() == (train_out / "weights").resolve()
                 info = httpx.get(f"{engine_url}/model_info", timeout=30).json()
                 assert info["weight_version"] == "1", info
                 g = httpx.get(f"{gateway}/v1/groups/{group['group_id']}", headers=admin, timeout=30).json()
