@@ -16,7 +16,10 @@ What does not move:
   batch is trained at. A batch that ends up trained at a lower version (an empty step in between) is only
   fresher than it was checked for.
 - Groups are still acked inside the publish of a step whose update is in a durable checkpoint (the checkpoint
-  is written before the publish is handed over).
+  is written before the publish is handed over), and the trainer waits for that publish before it goes on
+  (`train.py`), as it did before: a trainer killed between a checkpoint and its publish would train that
+  step's groups again after its restart (their leases expire unacked), so that window stays within the step.
+  Only the publishes of the other steps (49 of 50 in the demo, `checkpoint_every` 50) overlap the next step.
 - Versions are published in order: a publish waits for the one before it.
 - No lease is prefetched past the last step of a run with `steps` set, so a run that ends normally holds
   nothing. A trainer stopped mid-run leaves its prefetched lease to expire, as it leaves the lease of a step it

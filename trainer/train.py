@@ -239,6 +239,9 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             held, publish_wait = on_rank0(
                 info, f"publishing version {version}", _publish, pipe, held, version, path, durable
             )
+            if durable:  # its acks ride on this publish: done before the step is, as without the pipeline, so a
+                # trainer killed after a checkpoint leaves it unpublished only within the step, never a step later
+                publish_wait += on_rank0(info, f"publishing version {version}", _wait_publish, pipe)
             if info.is_main:
                 prune_weights(out / "weights", cfg.keep_weights)
 
