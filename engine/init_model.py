@@ -30,6 +30,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from rollway.paths import TOKENIZER_FILES
+
 ARCHS: dict[str, type[PreTrainedConfig]] = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
 
 SIZES: dict[str, dict[str, int]] = {
@@ -43,19 +45,6 @@ SIZES: dict[str, dict[str, int]] = {
 
 ROPE_THETA = {"qwen3": 1_000_000.0, "qwen2": 1_000_000.0, "llama": 500_000.0}  # the released models' values
 CONTEXT_LENGTH = 32768
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-"""Copied verbatim from the tokenizer folder (what the trainer also copies into each published folder)."""
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
 """Stop tokens of the ChatML and Llama 3 families: a stop id of a folder with no generation_config.json when

@@ -5,6 +5,20 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""A model folder's tokenizer and chat template files, copied verbatim wherever a folder is written from another
+(`rollway init-model` from a tokenizer folder, the trainer's published weights from the model it started from)."""
+
 
 def agents_dir() -> Path:
     """`agents/` of a source checkout, else the installed `rollway_agents` package data."""

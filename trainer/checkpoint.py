@@ -29,18 +29,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
+from rollway import paths
+
+TOKENIZER_FILES = (*paths.TOKENIZER_FILES, "generation_config.json")
 """Copied verbatim from the model folder training started from: exactly what the gateway templated with."""
 
 
