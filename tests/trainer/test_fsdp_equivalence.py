@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.trainer.trainer_fakes import make_group
@@ -62,6 +63,9 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         state = full_state_dict(model)
         if rank == 0:
             torch.save({"metrics": metrics, "state": state, "passes": len(plan[0].micro)}, out)
+        # Both ranks leave together, as trainer/train.py's main() does: a rank that tore gloo down while its
+        # peer was still in a collective aborted at exit ("terminate called without an active exception").
+        dist.barrier()
     finally:
         shutdown()
 
