@@ -14,6 +14,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.grammar import grammar_key
 from engine.sampling import InvalidRequest, SamplingParams
 from engine.scheduler import Delta, LogprobEntry, TopEntry
 
@@ -28,6 +29,8 @@ class GenerateSpec:
     logprob_start_len: int
     return_text_in_logprobs: bool
     stream: bool = False
+    grammar: Any = None
+    """The compiled grammar of `params` (set by the server once compiled: engine/grammar.py)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ def parse_generate(
     ids = body.get("input_ids")
     batched = _is_batch(ids) if ids is not None else isinstance(body.get("text"), list)
     params = SamplingParams.from_request(body.get("sampling_params"))
+    grammar_key(params)  # more than one grammar: refused before anything else, as SGLang does
     rid = body.get("rid")
     rids: list[Any] = (
         rid if batched and isinstance(rid, list) else [None] * len(prompts) if batched else [rid]

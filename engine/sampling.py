@@ -117,10 +117,9 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequest(message)
-        if self.json_schema or self.regex or self.ebnf or self.structural_tag:
-            raise InvalidRequest(
-                "constrained decoding (json_schema/regex/ebnf) is not supported by rollway engine"
-            )
+        for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequest(f"{name} must be a string")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported by rollway engine")
 
@@ -186,8 +185,12 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
     top_logprobs_num: Sequence[int],
+    masked: bool = False,
 ) -> StepOutput:
-    """Choose one token per row of `logits` (B, V), fp32, each row with its own parameters and generator."""
+    """Choose one token per row of `logits` (B, V), fp32, each row with its own parameters and generator.
+
+    `masked`: some rows' logits carry a grammar's mask (-inf). Their logprobs are then those of the masked
+    distribution, the one the token was drawn from, as SGLang reports them (it masks before its sampler)."""
     logits = logits.float()
     temps = torch.tensor([p.logprob_temperature for p in params], dtype=logits.dtype).unsqueeze(1)
     logprobs = torch.log_softmax(logits / temps, dim=-1)  # (B, V)
@@ -211,6 +214,8 @@ def sample(
         if order is not None:
             picks = order.gather(1, picks)
         tokens[sampled] = picks.squeeze(1)
+    if masked:  # tokens a grammar forbids are -inf; clamped as SGLang does, so answers stay finite JSON
+        logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top: list[list[tuple[float, int]] | None] = [None] * len(params)
     if any(top_logprobs_num):

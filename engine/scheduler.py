@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.batch import DecodeBatch, prefill
+from engine.grammar import GrammarRows, accept, new_matcher
 from engine.sampling import SamplingParams, adjust_logits, sample
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class GenRequest:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     stream: bool = False  # deltas after every step; otherwise one at the end
+    grammar: Any = None
+    """The request's compiled grammar (engine/grammar.py), or None: unconstrained."""
 
 
 @dataclass(eq=False)
@@ -74,6 +77,8 @@ class _Seq:
     output_ids: list[int] = field(default_factory=list)
     prefilled: bool = False
     pending: Delta | None = None
+    matcher: Any = None
+    """The grammar's state over this request's output (kept across a weight swap's re-prefill)."""
 
 
 def load_model(path: str | Path) -> PreTrainedModel:
@@ -151,7 +156,13 @@ class Scheduler:
         return future
 
     def submit(self, req: GenRequest) -> None:
-        self.call(lambda: self._waiting.append(_Seq(req, req.params.make_generator())))
+        def enqueue() -> None:
+            seq = _Seq(req, req.params.make_generator())
+            if req.grammar is not None:
+                seq.matcher = new_matcher(req.grammar, sorted(self._stop_ids(seq)))
+            self._waiting.append(seq)
+
+        self.call(enqueue)
 
     def abort(self, rid: str | None, *, exact: bool = False) -> Future[Any]:
         """Abort requests whose rid starts with `rid` (or equals it); all of them when `rid` is None."""
@@ -377,11 +388,15 @@ class Scheduler:
             sorted(self._stop_ids(s)) if len(s.output_ids) < s.req.params.min_new_tokens else [] for s in seqs
         ]
         logits = adjust_logits(logits.float(), params, [s.output_ids for s in seqs], banned)
+        grammars = GrammarRows([s.matcher for s in seqs])
+        if grammars.rows:  # after the penalties, as SGLang applies its vocab mask
+            logits = grammars.mask(logits if logits.is_contiguous() else logits.contiguous())
         top_n = [s.req.top_logprobs_num if s.req.return_logprob else 0 for s in seqs]
-        step = sample(logits, params, [s.generator for s in seqs], top_n)
+        step = sample(logits, params, [s.generator for s in seqs], top_n, masked=bool(grammars.rows))
         alive = []
         for i, seq in enumerate(seqs):
             seq.output_ids.append(step.tokens[i])
+            ended = seq.matcher is not None and accept(seq.matcher, step.tokens[i])
             delta = self._delta(seq)
             delta.token_ids.append(step.tokens[i])
             if seq.req.return_logprob:
@@ -389,6 +404,11 @@ class Scheduler:
                 if seq.req.top_logprobs_num:
                     delta.top.append(step.top[i])
             finish = self._check_finish(seq)
+            if finish is None and ended:  # the grammar is complete: SGLang finishes on its last token
+                finish = {"type": "stop", "matched": step.tokens[i]}
+            elif ended is None:
+                finish = {"type": "abort", "message": "the grammar allowed no token here", "status_code": 400,
+                          "err_type": "BadRequestError"}
             if finish is None:
                 alive.append(i)
             else:

@@ -8,6 +8,7 @@ starts with the app's lifespan (or on the first request, for transports that ski
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -21,7 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import AutoTokenizer, PreTrainedModel
 
-from engine.protocol import GenerateSpec, Result, parse_generate
+from engine.grammar import GrammarCompiler, grammar_key
+from engine.protocol import GenerateCall, GenerateSpec, Result, parse_generate
 from engine.sampling import InvalidRequest, UnknownSamplingKey
 from engine.scheduler import GenRequest, Scheduler, load_model
 
@@ -52,6 +54,7 @@ class Engine:
         self.context_length = context_length or int(model.config.get_text_config().max_position_embeddings)
         self.vocab_size = int(model.config.get_text_config().vocab_size)
         self.max_batch_size = max_batch_size
+        self._grammars: GrammarCompiler | None = None
         self.scheduler = Scheduler(
             model,
             self.tokenizer,
@@ -74,6 +77,7 @@ class Engine:
             top_logprobs_num=spec.top_logprobs_num,
             logprob_start_len=spec.logprob_start_len,
             stream=spec.stream,
+            grammar=spec.grammar,
         )
         result = Result(spec, self.tokenizer)
         self.scheduler.submit(req)
@@ -93,6 +97,17 @@ class Engine:
             async for partial in stream:
                 final = partial
         return final
+
+    def with_grammars(self, call: GenerateCall) -> GenerateCall:
+        """`call` with each spec's grammar compiled (InvalidRequest: one does not compile). Blocking: run it
+        off the event loop. The compiler is built on first use (its vocabulary table takes a moment)."""
+        key = grammar_key(call.specs[0].params)  # one sampling_params for every spec of a call
+        if key is None:
+            return call
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        compiled = self._grammars.compile(key)
+        return dataclasses.replace(call, specs=[dataclasses.replace(s, grammar=compiled) for s in call.specs])
 
     def model_info(self) -> dict[str, Any]:
         return {
@@ -189,6 +204,8 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
         call = parse_generate(
             await _json_body(request), engine.tokenizer, engine.context_length, engine.vocab_size
         )
+        if grammar_key(call.specs[0].params) is not None:
+            call = await asyncio.to_thread(engine.with_grammars, call)
         if call.stream:
             return StreamingResponse(_sse(engine, call.specs[0]), media_type="text/event-stream")
         work: asyncio.Future[list[Result]] = asyncio.ensure_future(
