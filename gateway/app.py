@@ -163,8 +163,17 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
             await http.close()
             await store.close()
 
-    from gateway import openapi
-    from gateway.routes import backends, groups, openai_api, responses, system, training
+    from gateway import openapi, viewer_auth
+    from gateway.routes import (
+        backends,
+        groups,
+        openai_api,
+        responses,
+        system,
+        training,
+        training_reports,
+        viewer_keys,
+    )
 
     app = GatewayApp(routes={**openai_api.ROUTES, **responses.ROUTES}, title="rollway gateway", lifespan=lifespan)
     app.state.admin_key = admin_key
@@ -173,6 +182,9 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
     app.include_router(training.router)
     app.include_router(backends.router)
     app.include_router(system.router)
+    app.include_router(viewer_keys.router)
+    app.include_router(training_reports.router)
+    viewer_auth.install(app)  # /ui/login, /ui/logout; a browser without a sign-in is sent there
     openapi.install(app)
     return app
 

@@ -1,4 +1,5 @@
-"""Who is calling: an admin (bearer = admin key) or one session (its key, or its id in the path).
+"""Who is calling: an admin (bearer = admin key) or one session (its key, or its id in the path). A viewer key
+(the /ui pages' read-only role: gateway/viewer_auth.py) is a 403 here.
 
 Status map (docs/http-api.md "Auth"): missing or unknown key -> 401; a valid key on another session's or
 an admin-only resource -> 403; unknown id -> 404; an ended session -> 409 (checked by the callers).
@@ -30,6 +31,14 @@ def is_admin_key(request: Request, key: str | None) -> bool:
     return key is not None and hmac.compare_digest(key.encode(), admin.encode())
 
 
+async def refuse_viewer_key(request: Request, key: str) -> None:
+    """A viewer key (issue 16) opens only the read-only /ui pages: 403 on every other route. Asked only once a
+    key is neither the admin's nor a session's, so the calls of those keys pay nothing for it."""
+    if await request.app.state.store.viewer_key_id(key) is not None:
+        raise Forbidden("a viewer key is read-only and opens only the /ui pages; this route needs the admin key "
+                        "or a session key")
+
+
 async def admin(request: Request) -> None:
     """Admin-only routes: a session key is 403, a key nobody issued 401."""
     key = bearer(request)
@@ -38,6 +47,7 @@ async def admin(request: Request) -> None:
     if is_admin_key(request, key):
         return
     if await request.app.state.store.session_auth(key=key) is None:
+        await refuse_viewer_key(request, key)
         raise Unauthorized("unknown API key")
     raise Forbidden("this route needs the admin key; a session key cannot use it")
 
@@ -57,6 +67,7 @@ async def chat_session(request: Request, session_id: str | None) -> SessionAuth:
     if auth is None:
         if is_admin_key(request, key):
             raise Forbidden("the admin key has no session; use a session key from POST /v1/groups")
+        await refuse_viewer_key(request, key)
         raise Unauthorized("unknown API key")
     return auth
 
@@ -76,6 +87,7 @@ async def admin_or_session(request: Request, session_id: str) -> Caller:
         return Caller(True, None)
     auth = await request.app.state.store.session_auth(key=key)
     if auth is None:
+        await refuse_viewer_key(request, key)
         raise Unauthorized("unknown API key")
     if auth.id != session_id:
         raise Forbidden("a session key can only read or change its own session")

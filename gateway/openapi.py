@@ -65,6 +65,8 @@ TURN = (409, 429, 503)
 def _operations() -> dict[tuple[str, str], Operation]:
     from gateway.routes.backends import AddBackend
     from gateway.routes.training import AckBody, LeaseBody, PublishBody, RenewBody
+    from gateway.routes.training_reports import TrainingStepBody
+    from gateway.routes.viewer_keys import CreateViewerKey
 
     sessions_query = (
         Query("state", {"type": "string", "enum": ["active", "finished", "abandoned"]}, "only sessions in this state"),
@@ -106,6 +108,13 @@ def _operations() -> dict[tuple[str, str], Operation]:
                                             (*BODY, *ADMIN, *STORE), AddBackend),
         ("DELETE", "/v1/backends/{backend_id}"): Operation("Remove an inference server", "admin", 200,
                                                            (*ADMIN, 404, *STORE)),
+        ("POST", "/v1/viewer_keys"): Operation("Create a read-only viewer key for the /ui pages (shown once)",
+                                               "admin", 201, (*BODY, *ADMIN, *STORE), CreateViewerKey),
+        ("GET", "/v1/viewer_keys"): Operation("The viewer keys (no key material)", "admin", 200, (*ADMIN, *STORE)),
+        ("DELETE", "/v1/viewer_keys/{key_id}"): Operation("Revoke a viewer key and end its /ui sign-ins", "admin",
+                                                          200, (*ADMIN, 404, *STORE)),
+        ("POST", "/v1/training/steps"): Operation("The trainer's report of a step: figures and advantages",
+                                                  "admin", 200, (*BODY, *ADMIN, *STORE), TrainingStepBody),
     }
     openai: dict[str, Operation] = {
         "/v1/chat/completions": Operation("OpenAI chat completions (recorded)", "session", 200,

@@ -125,3 +125,57 @@ class Setting(Base):
     __tablename__ = "settings"
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[Any] = mapped_column(JSON)
+
+
+class ViewerKey(Base):
+    """A read-only key for the /ui pages (issue 16). Only its SHA-256 is kept; revoking sets revoked_at."""
+
+    __tablename__ = "viewer_keys"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float)
+
+
+class UiSession(Base):
+    """A signed-in /ui cookie: the token's SHA-256, who signed in, and until when. Server-side, so a sign-out,
+    a revoked viewer key or a changed admin key ends it at once, on every gateway of the store."""
+
+    __tablename__ = "ui_sessions"
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))
+    viewer_key_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    session_id: Mapped[str | None] = mapped_column(String(64))
+    credential_hash: Mapped[str] = mapped_column(String(64))
+    """SHA-256 of the key used to sign in: an admin cookie stops working once the admin key changes."""
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float, index=True)
+
+
+class TrainingStep(Base):
+    """One trainer step as the trainer reported it (POST /v1/training/steps), keyed by the version it published:
+    a retried report replaces its row."""
+
+    __tablename__ = "training_steps"
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, index=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    """When the trainer finished the step (its clock)."""
+    reported_at: Mapped[float] = mapped_column(Float)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
+    """Name -> number: loss, kl, entropy, clip_frac, grad_norm, lr, reward_mean/std, tokens, *_time_s, ..."""
+
+
+class TrainedSample(Base):
+    """A session trained in a step: its advantage (token mean over its loss tokens) and the version it trained."""
+
+    __tablename__ = "trained_samples"
+    session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, index=True)
+    group_id: Mapped[str] = mapped_column(String(64), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    advantage: Mapped[float] = mapped_column(Float)
+    reward: Mapped[float | None] = mapped_column(Float)
+    sequences: Mapped[int] = mapped_column(Integer)
+    loss_tokens: Mapped[int] = mapped_column(Integer)

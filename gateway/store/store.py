@@ -27,6 +27,7 @@ from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.store.db import DbConnection, DbEngine, InLoopEngine
 from gateway.store.direct import Direct, PgStatements, SqliteStatements
 from gateway.store.models import Group, Session, Turn
+from gateway.store.reports import ViewerStore
 
 G = cast(Table, Group.__table__)
 S = cast(Table, Session.__table__)
@@ -85,7 +86,7 @@ class TurnRow:
     timings: dict[str, Any]
 
 
-class Store:
+class Store(ViewerStore):
     def __init__(self, engine: DbEngine) -> None:
         self.engine = engine
         # SQLite has one writer at a time; a writer that finds the lock taken sleeps in SQLite's busy handler
