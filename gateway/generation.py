@@ -50,6 +50,10 @@ class Generation:
     backend_id: str | None = None
     backends: list[tuple[int, str]] = field(default_factory=list)
     """(index of the first token, backend id) each time another backend took over the reply."""
+    rid: str = ""
+    """The rid of the attempt in flight (`<base>-<attempt>`): the handle for `/abort_request`."""
+    client_gone: bool = False
+    """Set when the caller left (gateway.disconnect): an abort then ends the reply instead of being resubmitted."""
 
     def served_by(self, backend_id: str) -> None:
         self.backend_id = backend_id
@@ -87,6 +91,9 @@ async def generate(
     """
     base_rid = unique_id("")
     for attempt in range(max_resubmits + 1):
+        if out.client_gone:
+            out.finish = {"type": "abort", "message": "client disconnected"}
+            return
         budget = max_new_tokens - len(out.ids)
         if budget <= 0:
             out.finish = {"type": "length", "length": max_new_tokens}
@@ -99,6 +106,7 @@ async def generate(
         }
         if top_logprobs:
             payload["top_logprobs_num"] = top_logprobs
+        out.rid = payload["rid"]
         # The pool keeps a session on its backend, so a resubmission lands where the prefix is cached.
         try:
             if stream:
@@ -134,7 +142,7 @@ async def generate(
             # another backend, as after a publish's abort.
             log.warning("backend lost mid-reply after %d tokens, resubmitting: %s", len(out.ids), e)
             out.finish = None
-        if out.finish is not None and out.finish_type != "abort":
+        if out.finish is not None and (out.finish_type != "abort" or out.client_gone):
             return
         out.resubmits = attempt + 1
     raise ServiceUnavailable(

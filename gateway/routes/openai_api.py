@@ -14,7 +14,7 @@ from gateway.errors import BadRequest
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, note_unknown_fields
 from gateway.routes.common import json_response
 from gateway.routes.replies import logprobs_content, read_turn_body, run_to_end, usage
-from gateway.routes.streaming import stream_turn
+from gateway.routes.streaming import ChatChunks, CompletionChunks, stream_turn
 from gateway.templating import RESERVED_TEMPLATE_KWARGS, ChatTemplate
 from gateway.turns import TurnRequest, TurnService, require_tools_supported
 
@@ -102,8 +102,8 @@ async def _chat(request: Request, session_id: str | None) -> Response:
     model = request.app.state.model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await stream_turn(request, prepared, model=model, include_usage=include_usage,
-                                 want_logprobs=bool(body.logprobs))
+        return await stream_turn(request, prepared, ChatChunks(turns, prepared, model=model, include_usage=include_usage,
+                                                               want_logprobs=bool(body.logprobs)))
     gen, done = await run_to_end(request, prepared)
     message = ChatTemplate.assistant_message(done.parsed)
     choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}
@@ -121,8 +121,6 @@ async def _completions(request: Request, session_id: str | None) -> Response:
     note_unknown_fields(body, "completions")
     if body.n not in (None, 1):
         raise BadRequest("n > 1 is not supported: each sample is its own session (POST /v1/groups)", param="n")
-    if body.stream:
-        raise BadRequest("streaming is supported on /v1/chat/completions; use stream=false here", param="stream")
     turns: TurnService = request.app.state.turns
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -139,6 +137,11 @@ async def _completions(request: Request, session_id: str | None) -> Response:
         body_bytes=size,
     )
     prepared = await turns.prepare(auth, req, max_session_tokens=request.app.state.settings.max_session_tokens)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream_turn(request, prepared, CompletionChunks(
+            turns, prepared, model=request.app.state.model_name, include_usage=include_usage, logprobs=body.logprobs,
+        ), raw=True)
     gen, done = await run_to_end(request, prepared)
     choice: dict[str, Any] = {"index": 0, "text": done.text, "logprobs": None,
                               "finish_reason": "length" if done.finish_reason == "length" else "stop"}

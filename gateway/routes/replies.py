@@ -10,8 +10,9 @@ from typing import Any
 
 from fastapi import Request
 
+from gateway import disconnect
 from gateway.errors import BadRequest
-from gateway.generation import Generation, generate
+from gateway.generation import Generation
 from gateway.routes.common import M, parse_body, read_raw_body
 from gateway.settings import Settings
 from gateway.turns import FinishedTurn, PreparedTurn, TurnService
@@ -41,18 +42,9 @@ def check_counts(data: dict[str, Any], settings: Settings, messages: str) -> Non
 
 
 async def run_to_end(request: Request, prepared: PreparedTurn) -> tuple[Generation, FinishedTurn]:
-    """Non-streaming generation, then the durable store of the turn."""
-    state = request.app.state
-    gen = Generation()
-    async for _ in generate(
-        state.pool, session_id=prepared.auth.id, group_id=prepared.auth.group_id, prompt_ids=prepared.prompt_ids,
-        sampling=prepared.sampling, max_new_tokens=prepared.max_new_tokens, top_logprobs=prepared.req.top_logprobs,
-        stream=False, max_resubmits=state.settings.max_resubmits, out=gen,
-    ):
-        pass
-    turns: TurnService = state.turns
-    done = await turns.finish(prepared, gen)
-    return gen, done
+    """Non-streaming generation, then the durable store of the turn; a client that leaves meanwhile aborts
+    the backend request and leaves its partial turn recorded (gateway.disconnect)."""
+    return await disconnect.run_to_end(request, prepared)
 
 
 def logprobs_content(

@@ -7,7 +7,6 @@ is recorded and chained exactly like a chat-completions one; output is message a
 from __future__ import annotations
 
 import json
-import secrets
 from typing import Any
 
 from fastapi import Request
@@ -18,6 +17,15 @@ from gateway.errors import BadRequest
 from gateway.protocol import ResponsesRequest, note_unknown_fields
 from gateway.routes.common import json_response
 from gateway.routes.replies import read_turn_body, run_to_end
+from gateway.routes.responses_stream import (
+    ResponseEvents,
+    function_call_item,
+    message_item,
+    new_item_id,
+    reasoning_item,
+    response_object,
+)
+from gateway.routes.streaming import stream_turn
 from gateway.turns import TurnRequest, TurnService, require_tools_supported
 
 
@@ -91,9 +99,6 @@ async def _responses(request: Request, session_id: str | None) -> Response:
     if body.previous_response_id:
         raise BadRequest("this endpoint is stateless: send the whole conversation as input",
                          param="previous_response_id")
-    if body.stream:
-        raise BadRequest("streaming Responses are not supported; use stream=false or chat completions",
-                         param="stream")
     tool_choice = body.tool_choice
     if isinstance(tool_choice, dict):
         tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
@@ -107,34 +112,18 @@ async def _responses(request: Request, session_id: str | None) -> Response:
     if not req.messages:
         raise BadRequest("input is empty", param="input")
     prepared = await turns.prepare(auth, req, max_session_tokens=request.app.state.settings.max_session_tokens)
+    if body.stream:
+        return await stream_turn(request, prepared, ResponseEvents(request.app.state.model_name, body, prepared))
     gen, done = await run_to_end(request, prepared)
     output: list[dict[str, Any]] = []
     if done.parsed.reasoning_content:
-        output.append({"type": "reasoning", "id": f"rs_{secrets.token_hex(12)}",
-                       "summary": [{"type": "summary_text", "text": done.parsed.reasoning_content}]})
+        output.append(reasoning_item(new_item_id("rs_"), done.parsed.reasoning_content))
     if done.parsed.content:
-        output.append({"type": "message", "id": f"msg_{secrets.token_hex(12)}", "status": "completed",
-                       "role": "assistant",
-                       "content": [{"type": "output_text", "text": done.parsed.content, "annotations": []}]})
-    for tc in done.parsed.tool_calls:
-        output.append({"type": "function_call", "id": f"fc_{tc.id[5:]}", "call_id": tc.id, "name": tc.name,
-                       "arguments": tc.arguments, "status": "completed"})
-    n_prompt, n_out = len(prepared.prompt_ids), len(gen.ids)
-    incomplete = done.finish_reason == "length"
-    return json_response({
-        "id": done.turn_id, "object": "response", "created_at": int(prepared.started),
-        "status": "incomplete" if incomplete else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "error": None, "model": request.app.state.model_name, "output": output,
-        "instructions": body.instructions, "metadata": body.metadata or {},
-        "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
-        "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
-        "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-        "max_output_tokens": body.max_output_tokens, "text": {"format": {"type": "text"}},
-        "usage": {"input_tokens": n_prompt, "output_tokens": n_out, "total_tokens": n_prompt + n_out,
-                  "input_tokens_details": {"cached_tokens": gen.cached_tokens},
-                  "output_tokens_details": {"reasoning_tokens": 0}},
-    })
+        output.append(message_item(new_item_id("msg_"), done.parsed.content))
+    output.extend(function_call_item(tc) for tc in done.parsed.tool_calls)
+    return json_response(response_object(request.app.state.model_name, body, prepared, output,
+                                         status="incomplete" if done.finish_reason == "length" else "completed",
+                                         gen=gen))
 
 
 ROUTES = {"/v1/responses": ("POST", _responses)}
