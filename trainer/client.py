@@ -234,6 +234,25 @@ class GatewayClient:
             .get("version", version)
         )
 
+    # --- step reports (the viewer's figures) ---
+    def report_step(self, report: dict[str, Any]) -> None:
+        """`POST /v1/training/steps`: a step's figures and trained sessions (a retry of a version replaces it)."""
+        self._request("POST", "/v1/training/steps", json=report)
+
+    def sync_init(self, version: int, master_address: str, backend: str, timeout_s: float) -> dict[str, Any]:
+        """`POST /v1/weights/sync/init`: the gateway picks the backends of a process-group publish, one group each
+        (`{sync_id, groups: [{group_name, world_size, backend_id}]}`; trainer/weight_sync.py)."""
+        body = {"version": version, "master_address": master_address, "backend": backend, "timeout_s": timeout_s}
+        return dict(self._request("POST", "/v1/weights/sync/init", json=body).json())
+
+    def sync(self, sync_id: str, version: int, ports: dict[str, int], buckets: list[dict[str, Any]],
+             batch_ids: list[str], results: dict[str, str], timeout: float) -> dict[str, Any]:
+        """`POST /v1/weights/sync`: answered once every backend received the buckets (or failed), the version is
+        published and the batches acked; the caller broadcasts meanwhile."""
+        body = {"sync_id": sync_id, "version": version, "ports": ports, "buckets": buckets,
+                "batch_ids": batch_ids, "results": results}
+        return dict(self._request("POST", "/v1/weights/sync", json=body, timeout=max(self.timeout, timeout)).json())
+
     # --- SFT export ---
     def sessions(self, state: str = "finished", after: str | None = None, limit: int = 100) -> dict[str, Any]:
         """`GET /v1/sessions?include_turns=true`: one page `{data: [session with turns], next_after}`."""
@@ -284,3 +303,97 @@ class LeaseRenewer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self.client.timeout + 5)
+
+
+def step_report(step: int, version: int, metrics: dict[str, Any], groups: list[Any]) -> dict[str, Any]:
+    """The body of `POST /v1/training/steps`: the figures (non-finite ones as null: JSON has no NaN) and, per
+    trained session, the token mean of its advantages over its loss tokens. `groups`: trainer.advantages'
+    ScoredGroup (samples and per-token advantages)."""
+    import math
+    import time
+
+    figures = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()
+               if isinstance(v, int | float) and not isinstance(v, bool)}
+    sessions: dict[str, dict[str, Any]] = {}
+    for g in groups:
+        for sample, adv in zip(g.samples, g.advantages, strict=True):
+            row = sessions.setdefault(sample.session_id, {
+                "session_id": sample.session_id, "group_id": sample.group_id, "reward": sample.reward,
+                "sequences": 0, "loss_tokens": 0, "sum": 0.0})
+            row["sequences"] += 1
+            row["loss_tokens"] += sample.n_loss_tokens
+            row["sum"] += sum(a for a, m in zip(adv, sample.loss_mask, strict=True) if m)
+    samples = []
+    for row in sessions.values():
+        total = row.pop("sum")
+        row["advantage"] = total / row["loss_tokens"] if row["loss_tokens"] else 0.0
+        if row["reward"] is not None and not math.isfinite(row["reward"]):
+            row["reward"] = None
+        samples.append(row)
+    return {"step": step, "version": version, "time": time.time(), "metrics": figures, "samples": samples}
+
+
+class StepReporter:
+    """Sends each step's report to the gateway on a thread of its own, in order, so the training loop never
+    waits for it. A failed report is retried a few times, then skipped with a warning: the figures are for
+    looking at (they are in metrics.jsonl too), never a reason to stop training. A gateway without the route
+    (404: older than the viewer) turns reporting off after one warning."""
+
+    def __init__(self, client: GatewayClient, retries: int = 3, backoff_s: float = 1.0) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.client = client
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.sent = 0
+        self.failed = 0
+        self._off = False
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="report")
+        self._last: Any = None
+
+    def report(self, step: int, version: int, metrics: dict[str, Any], groups: list[Any]) -> None:
+        """Queue the report of a step (built on the reporter's thread: a pass over the step's tokens)."""
+        if not self._off:
+            self._last = self._pool.submit(self._send, step, version, dict(metrics), list(groups))
+
+    def _send(self, step: int, version: int, metrics: dict[str, Any], groups: list[Any]) -> None:
+        if self._off:
+            return
+        try:
+            body = step_report(step, version, metrics, groups)
+        except Exception as e:  # a report is never worth a crash
+            log.warning("step %d: building its report failed (skipped): %s", step, e)
+            self.failed += 1
+            return
+        for attempt in range(self.retries):
+            try:
+                self.client.report_step(body)
+                self.sent += 1
+                return
+            except GatewayHTTPError as e:
+                if e.status == 404:
+                    log.warning("the gateway has no POST /v1/training/steps (an older version): step figures "
+                                "are not reported to it; they stay in metrics.jsonl")
+                    self._off = True
+                    return
+                if e.status < 500 and e.status not in (408, 429):
+                    log.warning("step %d: the gateway refused its report (skipped): %s", step, e)
+                    break
+                error: Exception = e
+            except GatewayClientError as e:
+                error = e
+            if attempt + 1 < self.retries and not self._stop.wait(self.backoff_s * 2**attempt):
+                continue
+            log.warning("step %d: reporting it to the gateway failed (skipped): %s", step, error)
+            break
+        self.failed += 1
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Send what is queued (one try each, no more retries), waiting at most `timeout_s`, then stop."""
+        from concurrent.futures import wait
+
+        self._stop.set()
+        if self._last is not None:
+            wait([self._last], timeout=timeout_s)  # one thread, in order: the last done means all done
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from trainer.advantages import ScoredGroup, score_group
 from trainer.batching import plan_step, rows_of
 from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, prune_weights, save_checkpoint
-from trainer.client import GatewayClient, LeaseRenewer
+from trainer.client import GatewayClient, LeaseRenewer, StepReporter
 from trainer.config import TrainConfig, load_config, parse_overrides
 from trainer.fsdp import DistInfo, broadcast, init_distributed, load_sharded_model, shutdown
 from trainer.loss import PPOParams
@@ -159,6 +159,8 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
     renewer: LeaseRenewer | None = None
     sink = MetricsSink(out, enabled=info.is_main, total_steps=cfg.steps or None)
     pipe: GatewayPipeline[StepBatch] | None = None
+    # each step's figures and advantages go to the gateway's store (the viewer's charts), off this thread
+    reporter = StepReporter(client) if client is not None else None
     try:
         # ---------------- starting weights: the served version, else --model; then our last checkpoint
         gw_version, gw_path = on_rank0(info, "reading GET /v1/weights", GatewayClient.current_weights, client)
@@ -267,16 +269,21 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
                 lease_time_s=batch.wait_s,  # the lease calls themselves, on their thread
             )
             metrics["tokens_per_s"] = metrics["tokens"] / max(step_time, 1e-9)
+            metrics["lr"] = float(optimizer.param_groups[0]["lr"])
             if renewer and renewer.errors:
                 sink.note(f"lease renew errors: {renewer.errors[-3:]}")
                 renewer.errors.clear()
             sink.log(step, metrics)
+            if reporter is not None:
+                reporter.report(step, version, metrics, batch.groups)
         on_rank0(info, "publishing the last version", _wait_publish, pipe)
     finally:
         if pipe is not None:
             pipe.close()
         if renewer:
             renewer.close()
+        if reporter is not None:
+            reporter.close()
         if client:
             client.close()
         sink.close()
