@@ -43,12 +43,13 @@ class TrainingStepBody(Strict):
     """The version this step published: one report per version."""
     time: float | None = Field(default=None, ge=0, le=1e11)
     """When the step ended (epoch seconds, the trainer's clock); absent: when the report arrives."""
-    metrics: dict[str, float | int | None] = Field(default_factory=dict)
+    metrics: dict[str, float | None] = Field(default_factory=dict)
+    """Name -> number (null for one that was not finite)."""
     samples: list[TrainedSampleBody] = Field(default_factory=list, max_length=MAX_SAMPLES)
 
     @field_validator("metrics")
     @classmethod
-    def _names(cls, v: dict[str, float | int | None]) -> dict[str, float | int | None]:
+    def _names(cls, v: dict[str, float | None]) -> dict[str, float | None]:
         if len(v) > MAX_METRICS:
             raise ValueError(f"at most {MAX_METRICS} metrics")
         if bad := [k for k in v if not 1 <= len(k) <= 64]:
