@@ -8,8 +8,8 @@ a 400 with SGLang's message, `Failed to compile <kind> grammar: ...`); compiled 
 rows without one untouched. What the mask does to logprobs is the caller's (engine/sampling.py): they are
 taken from the masked logits, as SGLang's are (docs/sglang-contract.md "Constrained decoding").
 
-Differences from SGLang, on purpose: JSON is compiled without free whitespace (`any_whitespace=False`) so a
-weak model cannot spend its budget on blank space; the matcher's stop tokens are the request's stop ids and
+Differences from SGLang, on purpose: JSON (alone or inside a structural tag) allows at most MAX_WHITESPACE
+whitespace characters in a row; the matcher's stop tokens are the request's stop ids and
 the model's eos ids (SGLang: the model's eos ids).
 """
 
@@ -29,6 +29,9 @@ from engine.sampling import InvalidRequest, SamplingParams
 
 CACHE_SIZE = 256
 """Compiled grammars kept (by kind and text); a tool set's grammar is one entry."""
+MAX_WHITESPACE = 1
+"""Whitespace characters in a row that JSON may hold (SGLang: any number): a weak model would otherwise
+spend its budget on blank space, and a reply cut off there parses as nothing."""
 ANY_JSON = "$$ANY$$"
 """SGLang's json_schema value for "any JSON" (what its OpenAI server sends for json_object)."""
 
@@ -82,7 +85,7 @@ class GrammarCompiler:
             if text == ANY_JSON:
                 return self._compiler.compile_builtin_json_grammar()
             json.loads(text)  # a clear message for text that is not JSON at all
-            return self._compiler.compile_json_schema(text, any_whitespace=False)
+            return self._compiler.compile_json_schema(text, max_whitespace_cnt=MAX_WHITESPACE)
         if kind == "regex":
             return self._compiler.compile_regex(text)
         if kind == "ebnf":
@@ -94,12 +97,26 @@ class GrammarCompiler:
             items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema") or {}), end=s["end"])
                      for s in tag["structures"]]
             legacy = xgr.StructuralTag.from_legacy_structural_tag(items, tag["triggers"])
-            setattr(legacy.format, "at_least_one", bool(tag.get("at_least_one", False)))  # triggered_tags
+            triggered: Any = legacy.format  # a TriggeredTagsFormat
+            triggered.at_least_one = bool(tag.get("at_least_one", False))
             return self._compiler.compile_structural_tag(legacy)
         if not isinstance(tag.get("format"), dict):
             raise ValueError("structural_tag needs 'format' (or the legacy 'structures' and 'triggers')")
-        return self._compiler.compile_structural_tag(text)
+        _bound_whitespace(tag["format"])
+        return self._compiler.compile_structural_tag(json.dumps(tag))
 
+
+
+def _bound_whitespace(node: Any) -> None:
+    """Give every json_schema element of a structural tag's format MAX_WHITESPACE unless it sets its own."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema":
+            node.setdefault("max_whitespace_cnt", MAX_WHITESPACE)
+        for value in node.values():
+            _bound_whitespace(value)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_whitespace(value)
 
 
 class GrammarRows:

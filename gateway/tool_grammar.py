@@ -1,0 +1,164 @@
+"""Forced tool choice (`tool_choice: "required"`, a named function, `parallel_tool_calls: false`) as a
+grammar the backend decodes under, written in the tool-call format of the model's family.
+
+The grammar is an SGLang `structural_tag` in its current form (`{"type": "structural_tag", "format": ...}`,
+compiled by xgrammar; docs/sglang-contract.md "Constrained decoding"): a sequence of tags, one per call, each
+the family's own markup around the tool's name, with the arguments held to the tool's JSON schema. So the
+reply is a tool call the gateway's parser reads back, whatever the weights, and the model writes it in the
+tokens its template taught it. Families whose format this does not express are refused with a 400 naming
+the family (FAMILIES lists those it does).
+
+A turn decoded under a grammar is recorded as constrained: its tokens are not samples of the policy the
+trainer recomputes, and they are kept out of the loss by default (gateway/samples.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import BadRequest
+
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+"""A tool without `parameters` takes an empty object (as SGLang's own tool_choice constraint does)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedTools:
+    """What a forced tool_choice asks for: a call to `name` (None: to any offered tool); `parallel`: one or
+    more calls, else exactly one."""
+
+    name: str | None
+    parallel: bool = True
+
+
+def resolve_tool_choice(
+    tool_choice: Any, tools: list[dict[str, Any]] | None, parallel_tool_calls: bool | None = None
+) -> tuple[list[dict[str, Any]] | None, ForcedTools | None]:
+    """(the tools the prompt offers, what is forced) for OpenAI's tool_choice: "auto" / absent, "none" (no
+    tools rendered), "required", or {"type": "function", "function": {"name": ...}}. The Responses API's
+    {"type": "function", "name": ...} and Anthropic's any / tool are mapped to these by their routes.
+    A `parallel_tool_calls: false` alone (auto) forces nothing: the reply may hold no call at all."""
+    parallel = parallel_tool_calls is not False
+    if tool_choice is None or tool_choice == "auto":
+        return tools, None
+    if tool_choice == "none":
+        return None, None
+    if not tools:
+        raise BadRequest("tool_choice was given but no tools were offered", param="tool_choice")
+    if tool_choice == "required":
+        return tools, ForcedTools(None, parallel)
+    name = _named(tool_choice)
+    if name is None:
+        raise BadRequest("tool_choice must be 'none', 'auto', 'required' or "
+                         "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+    if name not in {_function(t).get("name") for t in tools}:
+        raise BadRequest(f"tool_choice names function {name!r}, which is not among the tools offered",
+                         param="tool_choice")
+    return tools, ForcedTools(name, parallel)
+
+
+def _named(choice: Any) -> str | None:
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        return None
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+    return name if isinstance(name, str) and name else None
+
+
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool.get("function", tool)
+    return fn if isinstance(fn, dict) else {}
+
+
+# --- the families ---------------------------------------------------------------------------------
+
+
+def _hermes(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    # As Qwen2.5/Qwen3/Hermes templates write a call: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
+    return _tag(f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ', params,
+                "}\n</tool_call>")
+
+
+def _llama3_json(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    # Llama 3.1/3.2/3.3's JSON tool call: the whole reply {"name": ..., "parameters": {...}}
+    return _tag(f'{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": ', params, "}")
+
+
+def _granite(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    return _tag(f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ', params, "}")
+
+
+def _tag(begin: str, params: dict[str, Any], end: str) -> dict[str, Any]:
+    return {"type": "tag", "begin": begin, "content": {"type": "json_schema", "json_schema": params}, "end": end}
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    call: Callable[[str, dict[str, Any]], dict[str, Any]]
+    separator: str
+    """Between two calls, as the family's template writes them."""
+    before: str = ""
+    after: str = ""
+    """Around the whole list of calls (Granite's `<|tool_call|>[` ... `]`)."""
+
+
+FAMILIES: dict[str, Family] = {
+    "hermes": Family(_hermes, "\n"),
+    "llama3_json": Family(_llama3_json, "; "),
+    "granite": Family(_granite, ", ", before="<|tool_call|>[", after="]"),
+}
+"""Tool-call formats (docs/models.md "Formats") a forced tool_choice is decoded in."""
+
+
+def structural_tag(
+    tool_parser: str | None, tools: list[dict[str, Any]], forced: ForcedTools, *, reasoning_close: str | None = None
+) -> str:
+    """The `structural_tag` sampling parameter (a JSON text) forcing `forced` in the family's format.
+
+    `reasoning_close`: the generation prompt opened the reasoning block (the reply starts inside it), so the
+    reply may reason freely up to this closing marker before the calls."""
+    family = FAMILIES.get(tool_parser or "")
+    if family is None:
+        supported = ", ".join(sorted(FAMILIES))
+        raise BadRequest(
+            f"tool_choice 'required' or a named function is decoded under a grammar in the model's tool-call "
+            f"format; this model's format ({tool_parser or 'unknown'}) is not one the gateway can constrain "
+            f"(supported: {supported}); use tool_choice 'auto'", param="tool_choice", code="unsupported_tool_choice")
+    chosen = [t for t in tools if forced.name is None or _function(t).get("name") == forced.name]
+    tags = []
+    for tool in chosen:
+        fn = _function(tool)
+        params = fn.get("parameters") or NO_PARAMETERS
+        if not isinstance(params, dict):
+            raise BadRequest(f"the parameters of tool {fn.get('name')!r} must be a JSON schema object", param="tools")
+        tags.append(family.call(str(fn.get("name")), params))
+    calls: dict[str, Any] = {"type": "tags_with_separator", "tags": tags, "separator": family.separator,
+                             "at_least_one": True, "stop_after_first": not forced.parallel}
+    elements: list[dict[str, Any]] = []
+    if reasoning_close:
+        elements.append({"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": reasoning_close})
+    if family.before:
+        elements.append({"type": "const_string", "value": family.before})
+    elements.append(calls)
+    if family.after:
+        elements.append({"type": "const_string", "value": family.after})
+    fmt = elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
+    return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+
+
+def response_format_schema(response_format: Any) -> str | None:
+    """The `json_schema` sampling parameter for OpenAI's response_format (None for text or absent):
+    json_schema's `schema` (an empty one allows any object), json_object any JSON object."""
+    if response_format is None:
+        return None
+    kind = getattr(response_format, "type", None)
+    if kind == "json_schema":
+        spec = getattr(response_format, "json_schema", None) or {}
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        return json.dumps(schema if isinstance(schema, dict) and schema else {"type": "object"})
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    return None
