@@ -196,3 +196,33 @@ def test_agents_sdk_run_streamed_with_a_tool(gateway: Any, fake: Any, tokenizer:
     assert [t["completion_ids"] for t in turns] == [first, second]
     assert turns[1]["parent_id"] == turns[0]["id"] and turns[1]["continuity"] == "extends"
     assert result.raw_responses[0].response_id == turns[0]["id"]
+
+
+# --- streamed /v1/completions: the same streaming core, the legacy chunk form ---------------------------
+
+
+def test_completions_stream_equals_whole(gateway: Any, fake: Any, tokenizer: Any) -> None:
+    cred = gateway.group(2)["sessions"][0]
+    client = gateway.openai(cred)
+    emitted = ids_of(tokenizer, "The answer is 85, since 37 + 48 = 85.")
+    fake.script([emitted, emitted])
+    whole = client.completions.create(model="m", prompt="Q: 37+48?\nA:", max_tokens=40)
+    chunks = list(client.completions.create(model="m", prompt="Q: 37+48?\nA:", max_tokens=40, stream=True,
+                                            stream_options={"include_usage": True}, logprobs=0, stop=["zzz"]))
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) > 2
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert text_chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(emitted)
+    turn = gateway.session(cred["session_id"])["turns"][-1]
+    assert turn["id"] == chunks[0].id and turn["completion_ids"] == emitted
+    streamed_lps = [lp for c in text_chunks for lp in (c.choices[0].logprobs.token_logprobs or [])]
+    assert streamed_lps == pytest.approx(turn["logprobs"], abs=1e-6)
+
+
+def test_completions_stream_token_prompt_to_length(gateway: Any, fake: Any) -> None:
+    cred = gateway.group(2)["sessions"][0]
+    client = gateway.openai(cred)
+    chunks = list(client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=7, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert len(gateway.session(cred["session_id"])["turns"][-1]["completion_ids"]) == 7
