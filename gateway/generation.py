@@ -90,7 +90,10 @@ async def generate(
     Raises ServiceUnavailable when no backend answers or the reply was interrupted too often.
     """
     base_rid = unique_id("")
+    constrained = any(sampling.get(k) is not None for k in GRAMMAR_KEYS)
     for attempt in range(max_resubmits + 1):
+        if constrained and out.ids:
+            _restart(out, stream)
         if out.client_gone:
             out.finish = {"type": "abort", "message": "client disconnected"}
             return
@@ -148,6 +151,26 @@ async def generate(
     raise ServiceUnavailable(
         f"generation was interrupted {max_resubmits + 1} times (weight updates?); giving up", retry_after=5
     )
+
+
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+"""sampling_params that constrain decoding (docs/sglang-contract.md "Constrained decoding")."""
+
+
+def _restart(out: Generation, stream: bool) -> None:
+    """An interrupted reply under a grammar starts over: a backend given prompt + partial would start the grammar
+    again at the partial's end (SGLang cannot resume one), and the reply would not be what it forced. A stream
+    that already sent tokens cannot take them back: 503, and the client retries."""
+    if stream:
+        raise ServiceUnavailable(
+            "a reply decoded under a grammar (a forced tool_choice or response_format) was interrupted mid-stream "
+            "(a weight update or a lost backend) and cannot be resumed; retry the request", retry_after=1)
+    log.info("restarting a constrained reply interrupted after %d tokens", len(out.ids))
+    out.ids.clear()
+    out.logprobs.clear()
+    out.versions.clear()
+    out.top_logprobs.clear()
+    out.backends.clear()
 
 
 async def _generate_on(backend: Backend, payload: dict[str, Any]) -> tuple[Backend, Any]:

@@ -5,6 +5,12 @@ its sequences, and each turn's completion carries loss mask 1 in exactly one of 
 contains it), so a branch point is never trained twice. A broken chain starts a new sequence, never a
 silent all-zero mask. Returns are the session reward, or per-turn rewards discounted backwards with
 gamma when any turn carries one.
+
+A constrained turn (decoded under a grammar: a forced tool_choice, a response_format) has loss mask 0 on its
+completion: its tokens were drawn from the grammar-masked distribution, not from the policy the trainer
+recomputes, and training on them would push up tokens the policy itself may not have chosen. They stay in
+the sequence as context. `train_constrained=True` (the trainer's `train_constrained_turns`, sent with the
+lease) trains them anyway, with the masked distribution's logprobs as the behaviour logprobs.
 """
 
 from __future__ import annotations
@@ -63,7 +69,9 @@ def turn_returns(chain: list[TurnRow], session_reward: float | None, gamma: floa
     return out
 
 
-def session_sequences(rows: list[TurnRow], session_reward: float | None, gamma: float) -> list[Sequence]:
+def session_sequences(
+    rows: list[TurnRow], session_reward: float | None, gamma: float, *, train_constrained: bool = False
+) -> list[Sequence]:
     by_id = {r.id: r for r in rows}
     extended = {r.parent_id for r in rows if r.parent_id}
     leaves = [r for r in rows if r.id not in extended]
@@ -85,6 +93,7 @@ def session_sequences(rows: list[TurnRow], session_reward: float | None, gamma: 
             # A client-disconnected partial is trained only when a later turn extends it
             # (docs/architecture.md "Leases and training samples").
             learn = turn.id not in trained and (not turn.client_disconnected or i < len(chain) - 1)
+            learn = learn and (train_constrained or not turn.constrained)
             trained.add(turn.id)
             seq.token_ids += delta + completion
             seq.loss_mask += [0] * len(delta) + [1 if learn else 0] * n

@@ -34,6 +34,7 @@ from gateway.metrics import Metrics
 from gateway.sessions_cache import SessionCache, SessionView
 from gateway.store.store import SessionAuth, Store, unique_id
 from gateway.templating import ChatTemplate
+from gateway.tool_grammar import ForcedTools, resolve_tool_choice, structural_tag
 from gateway.tool_parsers import ParsedReply, ReplyParser
 from gateway.wire import pack
 
@@ -131,6 +132,8 @@ class TurnRequest:
     seed: int | None = None
     top_logprobs: int = 0
     json_schema: str | None = None
+    forced: ForcedTools | None = None
+    """A forced tool_choice (`tools_for_choice`): decoded under a grammar in the model's tool-call format."""
     raw_prompt_ids: list[int] | None = None
     """/v1/completions: the prompt as ids, no template and no continuity."""
     raw_prompt: str | None = None
@@ -160,6 +163,8 @@ class PreparedTurn:
     """The session's cached view the turn was prepared against (kept current by `finish`)."""
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """The chat_template_kwargs the prompt was rendered with: the settings' defaults, then the request's."""
+    constrained: bool = False
+    """Decoded under a grammar (a forced tool_choice, a response_format): recorded on the turn."""
 
 
 @dataclass(slots=True)
@@ -239,12 +244,26 @@ class TurnService:
             raise _session_full(auth.id, recorded, len(prompt), max_session_tokens, req)
         max_new = self._budget(len(prompt), req.max_tokens)
         sampling, temperature = self._sampling(auth.sampling, req)
+        if req.forced is not None:
+            sampling["structural_tag"] = self._tool_grammar(req, text)
         prefix = "resp_" if req.endpoint == "responses" else ("cmpl-" if req.endpoint == "completions" else "chatcmpl-")
         return PreparedTurn(
             auth=auth, req=req, turn_id=unique_id(prefix), prompt_ids=prompt, prompt_delta=delta,
             parent_id=parent_id, chain_reason=reason, prompt_text=text, sampling=sampling, temperature=temperature,
             max_new_tokens=max_new, started=started, view=view, template_kwargs=self.kwargs_of(req),
+            constrained=req.forced is not None or req.json_schema is not None,
         )
+
+    def _tool_grammar(self, req: TurnRequest, prompt_text: str | None) -> str:
+        """The structural tag of a forced tool_choice (gateway/tool_grammar.py). When the generation prompt
+        opened the reasoning block, the reply first closes it, freely."""
+        assert req.forced is not None
+        if req.json_schema is not None:
+            raise BadRequest("response_format and a forced tool_choice cannot be combined: the reply is either "
+                             "JSON or tool calls", param="response_format")
+        rp = self.template.reasoning_parser
+        close = rp.close if rp is not None and self.reasoning and self.template.opens_reasoning(prompt_text) else None
+        return structural_tag(self.template.formats.tool_parser, req.tools or [], req.forced, reasoning_close=close)
 
     def kwargs_of(self, req: TurnRequest) -> dict[str, Any]:
         """The chat_template_kwargs a request's prompt is rendered with."""
@@ -448,6 +467,7 @@ class TurnService:
             continuity="extends" if p.parent_id else "new-chain",
             chain_reason=p.chain_reason,
             client_disconnected=client_disconnected,
+            constrained=p.constrained,
             timings={
                 "started": p.started, "finished": time.time(), "resubmits": gen.resubmits,
                 "prompt_tokens": len(p.prompt_ids), "cached_tokens": gen.cached_tokens, "backend": gen.backend_id,
@@ -486,8 +506,19 @@ def _session_full(session_id: str, recorded: int, prompt: int | None, limit: int
     )
 
 
+def tools_for_choice(
+    tool_choice: Any, tools: list[dict[str, Any]] | None, parallel_tool_calls: bool | None = None
+) -> tuple[list[dict[str, Any]] | None, ForcedTools | None]:
+    """(the tools to render, the forced choice to put on `TurnRequest.forced`) for OpenAI's tool_choice
+    ("auto", "none", "required", {"type": "function", "function": {"name"}}) and parallel_tool_calls. The
+    successor of `require_tools_supported`: a forced choice is honoured with a grammar (gateway/tool_grammar.py);
+    one the model's family cannot be held to is a 400 in `TurnService.prepare`."""
+    return resolve_tool_choice(tool_choice, tools, parallel_tool_calls)
+
+
 def require_tools_supported(tool_choice: Any, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """tool_choice is honoured or refused, never ignored (docs/architecture.md "Sampling")."""
+    """tool_choice is honoured or refused, never ignored (docs/architecture.md "Sampling"). For a route that
+    does not pass a forced choice on (`TurnRequest.forced`): it refuses one. Use `tools_for_choice` to honour it."""
     if tool_choice is None or tool_choice == "auto":
         return tools
     if tool_choice == "none":

@@ -188,6 +188,7 @@ class GatewayClient:
         groups_per_step: int,
         max_head_offpolicyness: int,
         trainer_version: int,
+        train_constrained_turns: bool = False,
     ) -> Lease | None:
         """`POST /v1/batches`; None on 204. A Lease with no groups (only `dropped_stale`) holds nothing."""
         body = {
@@ -197,6 +198,8 @@ class GatewayClient:
             "groups_per_step": groups_per_step,
             "max_head_offpolicyness": max_head_offpolicyness,
             "trainer_version": trainer_version,
+            # Only when set: a gateway without the option refuses the unknown field.
+            **({"train_constrained_turns": True} if train_constrained_turns else {}),
         }
         r = self._request("POST", "/v1/batches", json=body, timeout=self.timeout + wait_seconds)
         if r.status_code == 204 or not r.content:

@@ -55,6 +55,10 @@ class TrainConfig:
     """AReaL's eta: the gateway hands out no group more than eta versions older than the trainer."""
     dynamic_filter: bool = True
     """Drop groups whose every advantage is zero (all rewards equal): they carry no gradient."""
+    train_constrained_turns: bool = False
+    """Train the tokens of constrained turns (decoded under a grammar: a forced tool_choice, a response_format).
+    Off: they get loss mask 0, as they are samples of the grammar-masked distribution, not of the policy the
+    trainer recomputes (docs/http-api.md "Forced tool choice and response_format")."""
 
     # --- algorithm ---
     lr: float = 1e-6

@@ -75,6 +75,7 @@ def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, vers
             groups_per_step=cfg.groups_per_step,
             max_head_offpolicyness=cfg.max_head_offpolicyness,
             trainer_version=version,
+            train_constrained_turns=cfg.train_constrained_turns,
         )
         out.stale += lease.dropped_stale if lease else 0
         if lease is None or not lease.groups:

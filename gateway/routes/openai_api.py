@@ -11,12 +11,19 @@ from fastapi.responses import Response
 
 from gateway.auth import chat_session
 from gateway.errors import BadRequest
-from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, note_unknown_fields
+from gateway.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    NamedToolChoice,
+    note_unknown_fields,
+)
 from gateway.routes.common import json_response
 from gateway.routes.replies import logprobs_content, read_turn_body, run_to_end, usage
 from gateway.routes.streaming import ChatChunks, CompletionChunks, stream_turn
 from gateway.templating import RESERVED_TEMPLATE_KWARGS, ChatTemplate
-from gateway.turns import TurnRequest, TurnService, require_tools_supported
+from gateway.tool_grammar import response_format_schema
+from gateway.turns import TurnRequest, TurnService, tools_for_choice
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
 
@@ -63,11 +70,9 @@ def chat_turn_request(body: ChatCompletionRequest, body_bytes: int = 0) -> TurnR
     if body.n not in (None, 1):
         raise BadRequest("n > 1 is not supported: each sample is its own session (POST /v1/groups)", param="n")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    tools = require_tools_supported(body.tool_choice, tools)
-    json_schema = None
-    if body.response_format is not None and body.response_format.type != "text":
-        schema = (body.response_format.json_schema or {}).get("schema", {"type": "object"})
-        json_schema = json.dumps(schema if body.response_format.type == "json_schema" else {"type": "object"})
+    tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+    tools, forced = tools_for_choice(tool_choice, tools, body.parallel_tool_calls)
+    json_schema = response_format_schema(body.response_format)
     top = body.top_logprobs or 0
     asked = body.model_dump(exclude={"messages", "tools", "chat_template_kwargs"}, exclude_none=True)
     kwargs = body.chat_template_kwargs or {}
@@ -86,6 +91,7 @@ def chat_turn_request(body: ChatCompletionRequest, body_bytes: int = 0) -> TurnR
         seed=body.seed,
         top_logprobs=top if body.logprobs else 0,
         json_schema=json_schema,
+        forced=forced,
         body_bytes=body_bytes,
         template_kwargs=kwargs,
     )

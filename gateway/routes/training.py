@@ -23,6 +23,8 @@ class LeaseBody(Strict):
     groups_per_step: int | None = Field(default=None, ge=1, le=1_000_000)
     max_head_offpolicyness: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     trainer_version: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    train_constrained_turns: bool = False
+    """Give the completions of constrained turns (decoded under a grammar) loss mask 1 too (gateway/samples.py)."""
 
 
 class RenewBody(Strict):
@@ -59,7 +61,7 @@ async def lease(request: Request) -> Response:
     body = await read_body(request, LeaseBody)
     leases = request.app.state.leases
     req = LeaseRequest(body.max_groups, body.lease_seconds, body.groups_per_step, body.max_head_offpolicyness,
-                       body.trainer_version)
+                       body.trainer_version, body.train_constrained_turns)
     deadline = time.monotonic() + body.wait_seconds
     stale_total = 0
     while True:

@@ -32,6 +32,8 @@ class LeaseRequest:
     groups_per_step: int | None
     max_head_offpolicyness: int | None
     trainer_version: int | None
+    train_constrained: bool = False
+    """Train the completions of constrained turns too (gateway/samples.py)."""
 
 
 class Leases:
@@ -115,7 +117,7 @@ class Leases:
                                                  trainer_version=version))
         groups, stale = [], []
         for gid in cands:
-            g = await self._group_samples(gid, batch_id)
+            g = await self._group_samples(gid, batch_id, req.train_constrained)
             if g is None:
                 continue
             oldest = min((s["_oldest"] for s in g["samples"] if s["_oldest"] is not None), default=None)
@@ -135,7 +137,9 @@ class Leases:
             return None, 0.0, [], len(stale)
         return batch_id, expires, groups, len(stale)
 
-    async def _group_samples(self, group_id: str, batch_id: str) -> dict[str, Any] | None:
+    async def _group_samples(
+        self, group_id: str, batch_id: str, train_constrained: bool = False
+    ) -> dict[str, Any] | None:
         async with self.engine.connect() as conn:
             g = (await conn.execute(select(G.c.task, G.c.batch_id).where(G.c.id == group_id))).first()
             if g is None or g.batch_id != batch_id:
@@ -147,7 +151,8 @@ class Leases:
         for s in sessions:
             if s.state != "finished":
                 continue
-            for seq in session_sequences(await self.store.session_turns(s.id), s.reward, self.gamma):
+            turns = await self.store.session_turns(s.id)
+            for seq in session_sequences(turns, s.reward, self.gamma, train_constrained=train_constrained):
                 wire = seq.wire(group_id, s.id, s.reward)
                 wire["_oldest"] = seq.oldest_version
                 samples.append(wire)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, LargeBinary, MetaData, String
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, LargeBinary, MetaData, String, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -83,6 +83,9 @@ class Turn(Base):
     reward: Mapped[float | None] = mapped_column(Float)
     timings: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[float] = mapped_column(Float)
+    constrained: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """Decoded under a grammar (forced tool_choice, response_format): its tokens are not samples of the policy
+    the trainer recomputes, so they are kept out of the loss by default (gateway/samples.py)."""
 
     __table_args__ = (Index("ix_turns_session_seq", "session_id", "seq", unique=True),)
 

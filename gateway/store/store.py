@@ -84,6 +84,8 @@ class TurnRow:
     reward: float | None
     prompt_len: int
     timings: dict[str, Any]
+    constrained: bool = False
+    """Decoded under a grammar: kept out of the loss by default (gateway/samples.py)."""
 
 
 class Store(ViewerStore):
