@@ -271,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--data-dir", default=os.environ.get("ROLLWAY_DATA_DIR", "rollway-data"),
                    help="data folder of the embedded SQLite file (env ROLLWAY_DATA_DIR)")
     b.set_defaults(fn=_db)
+
+    from rollway.view import add_parser as view_parser  # torch-free, like the rollout import above
+
+    view_parser(sub, HelpFormatter)
     return p
 
 
