@@ -26,6 +26,7 @@ from engine.grammar import GrammarCompiler, grammar_key
 from engine.protocol import GenerateCall, GenerateSpec, Result, parse_generate
 from engine.sampling import InvalidRequest, UnknownSamplingKey
 from engine.scheduler import GenRequest, Scheduler, load_model
+from engine.weight_sync import add_routes as add_weight_sync_routes
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ def create_app(
     app.state.engine = engine
     _add_error_handlers(app)
     _add_routes(app, engine)
+    add_weight_sync_routes(app, engine, _json_body)  # the process-group path (gloo)
     return app
 
 

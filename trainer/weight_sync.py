@@ -1,0 +1,261 @@
+"""The trainer's side of a publish over torch process groups (`--weight-sync distributed`): no shared disk.
+
+    rank 0, after a step:  state = SyncPayload.gather(model)      (collective, like the HF export)
+    publish thread:        plan = POST /v1/weights/sync/init       the gateway picks the backends, one group each
+                           rank 0 of every group (a TCP store per group on this host, one thread each)
+                           POST /v1/weights/sync {ports, buckets}  while it is pending, every group gets the buckets
+                           -> the gateway's answer: version published, backends that failed (out of rotation)
+
+One group per backend, so a backend that dies mid-update breaks only its own group: the others finish and serve
+the new version (docs/http-api.md "Weight sync over process groups"). Buckets are consecutive tensors of one
+dtype up to `weight_sync_bucket_mb`, each sent as one flat tensor (SGLang's `flattened_bucket` load format).
+Every rendezvous and broadcast has `weight_sync_timeout`. When no backend could take the weights over a group
+(the gateway answers 503), the same state is written as an HF folder and published by path (the disk path).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+from trainer.checkpoint import TOKENIZER_FILES, _fsync_dir, _fsync_tree, full_state_dict, save_dtype
+from trainer.client import GatewayClient, GatewayHTTPError
+from trainer.fsdp import free_port
+
+log = logging.getLogger("trainer")
+
+
+def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                              timeout: timedelta) -> dist.ProcessGroup:
+    """A group apart from the trainer's own, made the way SGLang makes its side (so either end can be SGLang)."""
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def plan_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    """Names in order, cut into buckets of consecutive tensors of one dtype up to `bucket_bytes` (a larger tensor
+    goes alone): one dtype, so the flat tensor the server rebuilds has exactly the tensors' dtype."""
+    buckets: list[list[str]] = []
+    size, dtype = 0, None
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if not buckets or t.dtype != dtype or size + n > bucket_bytes:
+            buckets.append([])
+            size, dtype = 0, t.dtype
+        buckets[-1].append(name)
+        size += n
+    return buckets
+
+
+@dataclass
+class Bucket:
+    names: list[str]
+    shapes: list[list[int]]
+    dtype: torch.dtype
+    flat: torch.Tensor
+
+    def manifest(self) -> dict[str, Any]:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return {"names": self.names, "dtypes": [dtype] * len(self.names), "shapes": self.shapes}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        numels = [int(torch.Size(s).numel()) for s in self.shapes]
+        return {n: p.view(s) for n, p, s in zip(self.names, self.flat.split(numels), self.shapes, strict=True)}
+
+
+@dataclass
+class Sender:
+    """Rank 0 of one backend's group, on its own thread: join, broadcast every bucket, leave."""
+
+    group: dict[str, Any]
+    address: str
+    port: int
+    backend: str
+    timeout: float
+    buckets: list[Bucket]
+    sent: int = 0
+    error: str | None = None
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start(self) -> Sender:
+        self.thread = threading.Thread(target=self._run, name=f"sync-{self.group['group_name']}", daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        pg = None
+        try:
+            pg = init_custom_process_group(self.backend, f"tcp://{self.address}:{self.port}",
+                                           int(self.group["world_size"]), 0, str(self.group["group_name"]),
+                                           timedelta(seconds=self.timeout))
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            for b in self.buckets:
+                flat = b.flat.cuda() if self.backend == "nccl" else b.flat
+                pg.broadcast([flat], opts).wait()
+                self.sent += 1
+        except Exception as e:  # reported with the gateway's answer; the other groups go on
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            if pg is not None:
+                try:
+                    dist.destroy_process_group(pg)
+                except Exception as e:  # a broken group may refuse a clean teardown; it is dropped either way
+                    log.debug("destroying group %s: %s", self.group["group_name"], e)
+
+    def join(self, timeout: float) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+
+@dataclass
+class SyncOptions:
+    address: str = "127.0.0.1"
+    """The address of this host that the inference servers reach (the groups' TCP stores listen here)."""
+    backend: str = "auto"
+    """gloo, nccl, or auto (nccl when CUDA is available)."""
+    bucket_bytes: int = 512 << 20
+    timeout: float = 120.0
+    fallback_dir: Path | None = None
+    """Where the disk fallback writes `vNNNNNN` (None: no fallback, the error is raised)."""
+    on_bucket: Callable[[int], None] | None = None
+    """Tests and benchmarks: called by the publish thread with each bucket count sent to every group."""
+
+    def resolved_backend(self) -> str:
+        if self.backend == "auto":
+            return "nccl" if torch.cuda.is_available() else "gloo"
+        return self.backend
+
+
+class SyncPayload:
+    """A step's weights for a process-group publish: the flat buckets (rank 0; nothing on the other ranks), the
+    model's config, and the folder the tokenizer files come from (for the disk fallback)."""
+
+    def __init__(self, buckets: list[Bucket], config: Any, source: str | Path, options: SyncOptions) -> None:
+        self.buckets = buckets
+        self.config = config
+        self.source = Path(source)
+        self.options = options
+        self.nbytes = sum(b.flat.numel() * b.flat.element_size() for b in buckets)
+        self.last: dict[str, Any] = {}
+        """The last publish: the gateway's answer, seconds, and per group what was sent (tests, benchmarks)."""
+
+    @classmethod
+    def gather(cls, model: nn.Module, source: str | Path, options: SyncOptions) -> SyncPayload:
+        """Collective: the full state dict on rank 0, as the HF export writes it (tied `lm_head.weight` left out,
+        in the checkpoint's dtype), cut into buckets."""
+        state = full_state_dict(model)
+        config: Any = model.config
+        buckets: list[Bucket] = []
+        if state:
+            if getattr(config, "tie_word_embeddings", False):
+                state.pop("lm_head.weight", None)
+            dtype = save_dtype(config)
+            state = {k: v.to(dtype) for k, v in state.items()}
+            for names in plan_buckets(state, options.bucket_bytes):
+                flat = torch.cat([state[n].reshape(-1) for n in names])
+                buckets.append(Bucket(names, [list(state[n].shape) for n in names], flat.dtype, flat))
+        return cls(buckets, config, source, options)
+
+    def publish(self, client: GatewayClient, version: int, batch_ids: list[str], results: dict[str, str]) -> int:
+        """Publish over process groups; on a 503 (no backend took them) write the HF folder and publish that."""
+        try:
+            return self._publish_distributed(client, version, batch_ids, results)
+        except GatewayHTTPError as e:
+            if e.status != 503 or self.options.fallback_dir is None:
+                raise
+            log.warning("publish of version %d over process groups failed (%s): falling back to the disk path",
+                        version, e.message)
+        path = write_hf(self, self.options.fallback_dir / f"v{version:06d}")
+        return client.publish(version, str(path), batch_ids, results)
+
+    def _publish_distributed(self, client: GatewayClient, version: int, batch_ids: list[str],
+                             results: dict[str, str]) -> int:
+        opts = self.options
+        t0 = time.perf_counter()
+        backend = opts.resolved_backend()
+        plan = client.sync_init(version, opts.address, backend, opts.timeout)
+        groups = plan["groups"]
+        senders = [Sender(g, opts.address, free_port(), backend, opts.timeout, self.buckets).start() for g in groups]
+        watcher = _Progress(senders, opts.on_bucket).start() if opts.on_bucket else None
+        try:
+            answer = client.sync(
+                plan["sync_id"], version, {s.group["group_name"]: s.port for s in senders},
+                [b.manifest() for b in self.buckets], batch_ids, results,
+                timeout=opts.timeout * (2 + len(self.buckets)),
+            )
+        finally:
+            for s in senders:  # each ends by itself: done, failed, or its collective timed out
+                s.join(opts.timeout * (2 + len(self.buckets)))
+            if watcher is not None:
+                watcher.stop()
+        self.last = {"answer": answer, "seconds": time.perf_counter() - t0,
+                     "groups": {s.group["group_name"]: {"sent": s.sent, "error": s.error} for s in senders}}
+        for s in senders:
+            if s.error:
+                log.warning("weight sync to backend %s: %s", s.group.get("backend_id"), s.error)
+        return int(answer.get("version", version))
+
+
+class _Progress:
+    """Calls `on_bucket(k)` each time every live sender has sent k buckets (tests kill a server mid-update)."""
+
+    def __init__(self, senders: list[Sender], on_bucket: Callable[[int], None] | None) -> None:
+        self.senders, self.on_bucket = senders, on_bucket
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> _Progress:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        seen = 0
+        while not self._stop.wait(0.002):
+            live = [s.sent for s in self.senders if s.error is None]
+            done = min(live, default=0)
+            while seen < done and self.on_bucket is not None:
+                seen += 1
+                self.on_bucket(seen)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def write_hf(payload: SyncPayload, dest: Path) -> Path:
+    """The payload as an HF folder (what `checkpoint.export_hf` writes), for the disk fallback; rank 0 only."""
+    dest = dest.resolve()
+    tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.contiguous() for b in payload.buckets for k, v in b.tensors().items()}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    payload.config.to_json_file(str(tmp / "config.json"))
+    for name in TOKENIZER_FILES:
+        if (payload.source / name).is_file():
+            shutil.copyfile(payload.source / name, tmp / name)
+    _fsync_tree(tmp)
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    _fsync_dir(dest.parent)
+    return dest
