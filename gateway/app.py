@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.anthropic_errors import anthropic_errors, anthropic_path
 from gateway.changes import Changes
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics, RequestMetrics
@@ -98,6 +99,8 @@ class GatewayApp(FastAPI):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         scope["app"] = self
+        if scope["type"] == "http" and anthropic_path(scope):
+            send = anthropic_errors(send)  # Anthropic's error shape on the Messages routes (gateway.anthropic_errors)
         if scope["type"] == "http" and nul_in_url(scope):
             await refuse_nul(scope, receive, send)
             return
@@ -165,6 +168,7 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
 
     from gateway import openapi, viewer_auth
     from gateway.routes import (
+        anthropic_api,
         backends,
         groups,
         openai_api,
@@ -175,7 +179,9 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
         viewer_keys,
     )
 
-    app = GatewayApp(routes={**openai_api.ROUTES, **responses.ROUTES}, title="rollway gateway", lifespan=lifespan)
+    # anthropic_api last: its /v1/models answers Anthropic clients and hands OpenAI clients to openai_api's
+    app = GatewayApp(routes={**openai_api.ROUTES, **responses.ROUTES, **anthropic_api.ROUTES}, title="rollway gateway",
+                     lifespan=lifespan)
     app.state.admin_key = admin_key
     _install_error_handlers(app)
     app.include_router(groups.router)

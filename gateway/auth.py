@@ -52,17 +52,26 @@ async def admin(request: Request) -> None:
     raise Forbidden("this route needs the admin key; a session key cannot use it")
 
 
-async def chat_session(request: Request, session_id: str | None) -> SessionAuth:
-    """The session of an OpenAI call: by path id (no key needed: the id is the secret) or by key."""
+def api_key(request: Request) -> str | None:
+    """The key of an Anthropic-style call: `x-api-key` (what the Anthropic SDK sends with `api_key`), else the
+    bearer token (what it sends with `auth_token`)."""
+    key = request.headers.get("x-api-key")
+    return key.strip() if key and key.strip() else bearer(request)
+
+
+async def chat_session(request: Request, session_id: str | None, *, anthropic: bool = False) -> SessionAuth:
+    """The session of an OpenAI call: by path id (no key needed: the id is the secret) or by key.
+    `anthropic`: an Anthropic Messages call, whose key may also come as `x-api-key`."""
     store = request.app.state.store
     if session_id is not None:
         auth = await store.session_auth(session_id=session_id)
         if auth is None:
             raise NotFound(f"no session {session_id}")
         return auth
-    key = bearer(request)
+    key = api_key(request) if anthropic else bearer(request)
     if key is None:
-        raise Unauthorized("missing API key: set OPENAI_API_KEY to a session key from POST /v1/groups")
+        env = "ANTHROPIC_API_KEY" if anthropic else "OPENAI_API_KEY"
+        raise Unauthorized(f"missing API key: set {env} to a session key from POST /v1/groups")
     auth = await store.session_auth(key=key)
     if auth is None:
         if is_admin_key(request, key):

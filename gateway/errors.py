@@ -11,6 +11,8 @@
     ├── PayloadTooLarge       413
     ├── TooManyRequests       429 + Retry-After (staleness admission)
     └── ServiceUnavailable    503 + Retry-After (no backend answered)
+
+On the Anthropic Messages routes the same errors go out in Anthropic's shape (`anthropic_error`).
 """
 
 from __future__ import annotations
@@ -97,3 +99,20 @@ class ServiceUnavailable(GatewayError):
     status = 503
     type = "server_error"
     code = "backend_unavailable"
+
+
+# --- Anthropic's shape, on the Messages routes (gateway.anthropic_errors) ---------------------------------
+
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                   529: "overloaded_error"}
+"""Anthropic's error type per status; any other 4xx is an invalid_request_error, any other 5xx an api_error."""
+
+
+def anthropic_error(status: int, message: str) -> tuple[int, dict[str, Any]]:
+    """The status and body Anthropic's API would answer for a gateway error of `status`: a 503 (no backend
+    answered, the store busy: retry) is Anthropic's 529 overloaded_error."""
+    if status == 503:
+        status = 529
+    kind = ANTHROPIC_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": message}}

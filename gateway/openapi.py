@@ -131,6 +131,25 @@ def _operations() -> dict[tuple[str, str], Operation]:
         ops[(method, "/sessions/{session_id}" + path)] = Operation(
             op.summary + "; the session by the id in the path (no key)", "session_path", op.ok,
             (404, *op.errors), op.body)
+    # Anthropic's Messages API (errors in Anthropic's shape: a 503 is its 529 overloaded_error).
+    from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
+
+    anthropic = {
+        ("POST", "/v1/messages"): Operation("Anthropic Messages API (recorded)", "session", 200,
+                                            (*BODY, 409, 429, 529), MessagesRequest),
+        ("POST", "/v1/messages/count_tokens"): Operation("Anthropic token count: the exact prompt length, nothing "
+                                                         "stored", "session", 200, (*BODY, 409, 529),
+                                                         CountTokensRequest),
+        # With an anthropic-version header /v1/models answers in Anthropic's shape, its store error as a 529.
+        ("GET", "/v1/models"): Operation("The served model", "session", 200, (503, 529)),
+        ("GET", "/v1/models/{model_id}"): Operation("The served model by id (OpenAI or Anthropic shape)",
+                                                    "session", 200, (404, 503, 529)),
+    }
+    for (method, path), op in anthropic.items():
+        ops[(method, path)] = Operation(op.summary, "session", op.ok, (*SESSION, *op.errors), op.body)
+        ops[(method, "/sessions/{session_id}" + path)] = Operation(
+            op.summary + "; the session by the id in the path (no key)", "session_path", op.ok,
+            tuple(dict.fromkeys((404, *op.errors))), op.body)
     return ops
 
 
@@ -146,7 +165,8 @@ _ERROR = {
 _REASONS = {200: "OK", 201: "Created", 400: "Bad request", 401: "No key or an unknown key",
             403: "A valid key without the right to this route", 404: "No such id", 408: "The body did not arrive in time",
             409: "Conflict with the resource's state", 413: "Body too large", 429: "Admission: retry after Retry-After",
-            503: "Store or backend unavailable: retry after Retry-After"}
+            503: "Store or backend unavailable: retry after Retry-After",
+            529: "Anthropic routes: store or backend unavailable (Anthropic's overloaded_error); retry"}
 
 
 def _schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:

@@ -51,7 +51,9 @@ async def create_group(request: Request) -> Response:
         "group_id": gid,
         "sessions": [
             {"session_id": sid, "api_key": key, "base_url": f"{base}/v1",
-             "session_base_url": f"{base}/sessions/{sid}/v1"}
+             "session_base_url": f"{base}/sessions/{sid}/v1",
+             # the Anthropic SDK appends /v1/messages to its base_url itself
+             "anthropic_base_url": base, "anthropic_session_base_url": f"{base}/sessions/{sid}"}
             for sid, key in creds
         ],
     }, status=201)

@@ -1,4 +1,5 @@
-"""Liveness, readiness and Prometheus metrics (no auth: they carry no secrets)."""
+"""Liveness, readiness and Prometheus metrics (no auth: they carry no secrets); and GET /v1/models/{id} for
+the OpenAI and Anthropic SDKs (session auth, as /v1/models)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from gateway.routes.anthropic_api import retrieve_model
 from gateway.routes.common import json_response
 
 router = APIRouter()
@@ -57,3 +59,14 @@ async def metrics(request: Request) -> Response:
     m.set_counts(await request.app.state.store.counts())
     m.set_eval(await request.app.state.store.eval_summary())
     return Response(m.render(), media_type="text/plain; version=0.0.4")
+
+
+@router.get("/v1/models/{model_id}")
+async def model(request: Request, model_id: str) -> Response:
+    """The served model, in the OpenAI or (with `anthropic-version`) Anthropic shape; session auth."""
+    return await retrieve_model(request, None, model_id)
+
+
+@router.get("/sessions/{session_id}/v1/models/{model_id}")
+async def session_model(request: Request, session_id: str, model_id: str) -> Response:
+    return await retrieve_model(request, session_id, model_id)

@@ -21,7 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.app import create_app
+from gateway.errors import ANTHROPIC_TYPES
 from gateway.openapi import OPERATIONS
+from gateway.routes.anthropic_api import ROUTES as ANTHROPIC_ROUTES
 from gateway.routes.openai_api import ROUTES as OPENAI_ROUTES
 from gateway.routes.responses import ROUTES as RESPONSES_ROUTES
 from gateway.settings import Settings
@@ -41,7 +43,7 @@ def test_every_route_is_documented(tiny_model_dir: Any) -> None:
     # the /ui pages are HTML for a browser (docs/viewer-auth.md), not part of the API document
     served = {(m, r.path) for r in routes if isinstance(r, APIRoute) and not r.path.startswith("/ui")
               for m in r.methods}
-    for path, (method, _) in {**OPENAI_ROUTES, **RESPONSES_ROUTES}.items():
+    for path, (method, _) in {**OPENAI_ROUTES, **RESPONSES_ROUTES, **ANTHROPIC_ROUTES}.items():
         served |= {(method, path), (method, "/sessions/{session_id}" + path)}
     assert served == set(OPERATIONS)
     doc = app.openapi()
@@ -114,6 +116,10 @@ class Fuzz:
             err = r.json().get("error")
             if not (isinstance(err, dict) and err.get("message") and err.get("type")):
                 self.problems.append("not the error envelope " + where)
+            if path.removeprefix("/sessions/{session_id}").startswith("/v1/messages") and (
+                    r.json().get("type") != "error" or not isinstance(err, dict) or set(err) != {"type", "message"}
+                    or err["type"] != ANTHROPIC_TYPES.get(r.status_code, "invalid_request_error")):
+                self.problems.append("not Anthropic's error shape " + where)
 
 
 def _fuzz(gw: LiveGateway, examples: int) -> tuple[Counter[tuple[str, str, int]], list[str]]:
