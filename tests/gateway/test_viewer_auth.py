@@ -4,6 +4,7 @@ redirects (no open redirect), and the failed sign-in limit."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -189,3 +190,27 @@ def test_failed_sign_ins_are_refused_then_limited(gw: LiveGateway, browser: http
     finally:
         gw.app.state.ui_sign_in_limiter = SignInLimiter()
     assert sign_in(browser, ADMIN_KEY).status_code == 303
+
+
+def test_a_sign_in_expires(gw: LiveGateway, browser: httpx.Client) -> None:
+    gw.app.state.ui_session_ttl_s = 1.5
+    try:
+        r = sign_in(browser, ADMIN_KEY)
+        assert "max-age=1" in r.headers["set-cookie"].lower()
+    finally:
+        del gw.app.state.ui_session_ttl_s
+    token = browser.cookies[COOKIE]
+    assert browser.get("/ui/api/me").status_code == 200
+    time.sleep(1.6)
+    with httpx.Client(base_url=gw.url, timeout=30, cookies={COOKIE: token}) as c:  # a browser that kept it
+        assert c.get("/ui/api/me").status_code == 401
+
+
+def test_a_browser_without_a_sign_in_is_sent_to_the_form(gw: LiveGateway, browser: httpx.Client) -> None:
+    page = browser.get("/ui/api/me", headers={"Accept": "text/html"})
+    assert page.status_code == 303 and page.headers["location"] == "/ui/login?next=%2Fui%2Fapi%2Fme"
+    script = browser.get("/ui/api/me", headers={"Accept": "application/json"})
+    assert script.status_code == 401 and script.json()["error"]["type"] == "authentication_error"
+    with httpx.Client(base_url=gw.url, timeout=30, cookies={COOKIE: "made-up"}) as forged:
+        assert forged.get("/ui/api/me", headers={"Accept": "text/html"}).status_code == 303
+        assert forged.get("/ui/api/me").status_code == 401
