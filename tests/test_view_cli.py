@@ -168,3 +168,15 @@ def test_help_explains() -> None:
     assert r.returncode == 0
     for words in ("no inference engine", "viewer key", "ROLLWAY_ADMIN_KEY", "rollway-demo/rollway.db"):
         assert words in r.stdout, words
+
+
+def test_the_pages_open_without_an_engine(view: View, recorded: dict[str, Any]) -> None:
+    """The pages of gateway/ui/ are mounted and read the store alone (a viewer signed in with the form)."""
+    session = recorded["session"]["session_id"]
+    with httpx.Client(base_url=view.url, timeout=60) as c:
+        assert c.post("/ui/login", data={"key": recorded["viewer"]["key"]}).status_code == 303
+        for path in ("/ui", "/ui/groups", f"/ui/sessions/{session}"):
+            r = c.get(path, headers={"Accept": "text/html"})
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), (path, r.text[:300])
+        assert c.get("/ui/api/overview").status_code == 200
+        assert c.get("/ui/static/ui.css").status_code == 200
