@@ -12,9 +12,12 @@ route.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import BadRequest
 
 log = logging.getLogger("rollway.gateway")
 _seen_unknown: set[str] = set()
@@ -45,6 +48,55 @@ def note_unknown_fields(model: BaseModel, where: str) -> None:
             log.info("ignoring unknown request field %s", key)
             if len(_seen_unknown) == MAX_LOGGED_UNKNOWN:
                 log.info("%d unknown field names logged; not logging more", MAX_LOGGED_UNKNOWN)
+
+
+Rule = tuple[Callable[[Any], bool], str]
+"""(does this value ask for something?, why the gateway refuses it)."""
+
+
+def refuse_unsupported(model: BaseModel, rules: Mapping[str, Rule]) -> None:
+    """400 for a field, declared or unknown, whose value asks for what the gateway does not do, where ignoring
+    it would answer something other than what the client asked (docs/conformance-openai.md)."""
+    extra = model.model_extra or {}
+    for name, (asks, why) in rules.items():
+        value = getattr(model, name, None) if name in type(model).model_fields else extra.get(name)
+        if value is not None and asks(value):
+            raise BadRequest(f"{name} is not supported: {why}", param=name)
+
+
+def _nonzero(v: Any) -> bool:
+    return not (isinstance(v, int | float) and not isinstance(v, bool) and v == 0)
+
+
+_PENALTY = "the group's sampling policy decides how tokens are sampled (a penalty would change the behaviour " \
+           "policy that the recorded logprobs and the trainer assume); send 0 or leave it out"
+_BIAS = "biasing logits would change the behaviour policy that the recorded logprobs and the trainer assume"
+CHAT_REFUSED: dict[str, Rule] = {
+    "frequency_penalty": (_nonzero, _PENALTY),
+    "presence_penalty": (_nonzero, _PENALTY),
+    "logit_bias": (bool, _BIAS),
+    "functions": (bool, "the deprecated functions list is not read; send tools"),
+    "function_call": (lambda v: True, "the deprecated function_call is not read; send tool_choice"),
+    "modalities": (lambda v: v != ["text"], "only text output is supported"),
+    "audio": (lambda v: True, "only text output is supported"),
+    "web_search_options": (lambda v: True, "there is no web search behind this gateway"),
+}
+COMPLETIONS_REFUSED: dict[str, Rule] = {
+    "echo": (bool, "the prompt is not echoed; it is the turn's prompt_ids in the session record"),
+    "suffix": (bool, "insertion (a suffix after the completion) is not supported"),
+    "best_of": (lambda v: v != 1, "each sample is its own session (POST /v1/groups)"),
+    "frequency_penalty": (_nonzero, _PENALTY),
+    "presence_penalty": (_nonzero, _PENALTY),
+    "logit_bias": (bool, _BIAS),
+}
+RESPONSES_REFUSED: dict[str, Rule] = {
+    "background": (bool, "background responses need stored responses; this endpoint is stateless"),
+    "conversation": (lambda v: True, "this endpoint is stateless: send the whole conversation as input"),
+    "prompt": (lambda v: True, "stored prompt templates are not supported; send instructions and input"),
+    "top_logprobs": (_nonzero, "logprobs are not returned by the Responses route (use chat completions)"),
+    "include": (lambda v: isinstance(v, list) and "message.output_text.logprobs" in v,
+                "logprobs are not returned by the Responses route (use chat completions)"),
+}
 
 
 # --- chat completions -------------------------------------------------------------------------------
@@ -167,6 +219,17 @@ class ResponsesTool(_Lenient):
     strict: bool | None = None
 
 
+class ResponsesTextFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Lenient):
+    format: ResponsesTextFormat | None = None
+
+
 class ResponsesRequest(_Lenient):
     input: str | list[dict[str, Any]]
     model: str | None = None
@@ -177,6 +240,7 @@ class ResponsesRequest(_Lenient):
     previous_response_id: str | None = None
     stream: bool | None = False
     temperature: float | None = Field(default=None, ge=0, le=2)
+    text: ResponsesText | None = None
     tool_choice: str | dict[str, Any] | None = None
     tools: list[ResponsesTool] | None = None
     top_p: float | None = Field(default=None, gt=0, le=1)

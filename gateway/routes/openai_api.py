@@ -12,11 +12,14 @@ from fastapi.responses import Response
 from gateway.auth import chat_session
 from gateway.errors import BadRequest
 from gateway.protocol import (
+    CHAT_REFUSED,
+    COMPLETIONS_REFUSED,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     NamedToolChoice,
     note_unknown_fields,
+    refuse_unsupported,
 )
 from gateway.routes.common import json_response
 from gateway.routes.replies import logprobs_content, read_turn_body, run_to_end, usage
@@ -102,6 +105,7 @@ async def _chat(request: Request, session_id: str | None) -> Response:
     auth = await chat_session(request, session_id)
     body, size = await read_turn_body(request, ChatCompletionRequest, "messages")
     note_unknown_fields(body, "chat.completions")
+    refuse_unsupported(body, CHAT_REFUSED)
     turns: TurnService = request.app.state.turns
     req = chat_turn_request(body, size)
     prepared = await turns.prepare(auth, req, max_session_tokens=request.app.state.settings.max_session_tokens)
@@ -125,6 +129,7 @@ async def _completions(request: Request, session_id: str | None) -> Response:
     auth = await chat_session(request, session_id)  # the key first, as in _chat
     body, size = await read_turn_body(request, CompletionRequest, None)
     note_unknown_fields(body, "completions")
+    refuse_unsupported(body, COMPLETIONS_REFUSED)
     if body.n not in (None, 1):
         raise BadRequest("n > 1 is not supported: each sample is its own session (POST /v1/groups)", param="n")
     turns: TurnService = request.app.state.turns

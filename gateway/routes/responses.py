@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from gateway.auth import chat_session
 from gateway.errors import BadRequest
-from gateway.protocol import ResponsesRequest, note_unknown_fields
+from gateway.protocol import RESPONSES_REFUSED, ResponsesRequest, note_unknown_fields, refuse_unsupported
 from gateway.routes.common import json_response
 from gateway.routes.replies import read_turn_body, run_to_end
 from gateway.routes.responses_stream import (
@@ -80,6 +80,14 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return msgs
 
 
+def text_json_schema(body: ResponsesRequest) -> str | None:
+    """`text.format` json_schema / json_object: constrained decoding, as chat's `response_format`."""
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    return json.dumps(fmt.schema_ or {"type": "object"} if fmt.type == "json_schema" else {"type": "object"})
+
+
 def chat_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
     if not body.tools:
         return None
@@ -96,6 +104,7 @@ async def _responses(request: Request, session_id: str | None) -> Response:
     auth = await chat_session(request, session_id)  # the key first: no body is read for a caller without one
     body, size = await read_turn_body(request, ResponsesRequest, "input")
     note_unknown_fields(body, "responses")
+    refuse_unsupported(body, RESPONSES_REFUSED)
     if body.previous_response_id:
         raise BadRequest("this endpoint is stateless: send the whole conversation as input",
                          param="previous_response_id")
@@ -108,6 +117,7 @@ async def _responses(request: Request, session_id: str | None) -> Response:
         endpoint="responses", messages=input_messages(body), tools=tools,
         asked=body.model_dump(exclude={"input", "tools", "instructions"}, exclude_none=True),
         max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, body_bytes=size,
+        json_schema=text_json_schema(body),
     )
     if not req.messages:
         raise BadRequest("input is empty", param="input")

@@ -70,7 +70,8 @@ def response_object(model: str, body: ResponsesRequest, prepared: PreparedTurn, 
         "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
         "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-        "max_output_tokens": body.max_output_tokens, "text": {"format": {"type": "text"}},
+        "max_output_tokens": body.max_output_tokens,
+        "text": body.text.model_dump(by_alias=True, exclude_none=True) if body.text else {"format": {"type": "text"}},
         "usage": usage,
     }
 

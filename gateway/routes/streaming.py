@@ -67,19 +67,36 @@ def sse(obj: Any) -> bytes:
 
 
 class _StopHoldback:
-    """Holds back the end of the text while it could still be the start of a stop string: the backend stops
-    after the string, and the reply (as stored) ends before it, so the client must never see it."""
+    """Keeps a stop string out of the stream: the backend stops on the token that completes the string (which
+    may run past it), and the reply as stored ends before the string. Text is held back while it could be
+    the start of one (the longest string's length - 1 characters); once one shows up, nothing from its start
+    on is let through."""
 
     def __init__(self, stops: list[str]) -> None:
-        self.keep = max(map(len, stops), default=0)
+        self.stops = [s for s in stops if s]
+        self.keep = max(map(len, self.stops), default=1) - 1
         self.held = ""
+        self.stopped = False
 
     def feed(self, text: str) -> str:
-        if not self.keep:
+        if not self.stops:
             return text
+        if self.stopped:
+            return ""
         self.held += text
-        out, self.held = self.held[:-self.keep], self.held[-self.keep:]
+        found = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if found:
+            out, self.held, self.stopped = self.held[: min(found)], "", True
+            return out
+        n = len(self.held) - self.keep
+        if n <= 0:
+            return ""
+        out, self.held = self.held[:n], self.held[n:]
         return out
+
+    def rest(self, text: str) -> str:
+        """What to let through at the end: `text` (the detokenizer's last piece) after what is held."""
+        return self.feed(text) + ("" if self.stopped else self.held)
 
 
 async def stream_turn(
@@ -139,7 +156,7 @@ async def stream_turn(
                         yield b
             done = await turns.finish(prepared, gen)
             stored = True
-            tail = hold.held + detok.flush()
+            tail = hold.rest(detok.flush())
             if isinstance((gen.finish or {}).get("matched"), str):  # the stored reply ends before the stop string
                 tail = tail[: max(0, len(done.text) - fed)]
             for kind, piece in parse(tail):

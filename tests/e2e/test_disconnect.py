@@ -70,3 +70,28 @@ def test_client_gone_aborts_engine_and_stores_partial(engine_url: str, tiny_mode
         assert replay["output_ids"] == partial
         print(f"\nclient gone after 1.5 s: {len(partial)} tokens generated, engine aborted and turn stored "
               f"{stored_after * 1000:.0f} ms later")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stop_string_never_streamed(engine_url: str, tiny_model_dir: Path, sqlite_url: str, path: str) -> None:
+    """The other end of a stream that must not leak: the engine stops after a stop string, the stored reply ends
+    before it, and the streamed text (held back while it could be the string's start) equals the stored one."""
+    import openai
+
+    with LiveGateway(backends=[engine_url], tokenizer=str(tiny_model_dir), db=sqlite_url) as gw:
+        cred = gw.group(2, sampling={"temperature": 0.0})["sessions"][0]
+        client = openai.OpenAI(base_url=cred["base_url"], api_key=cred["api_key"], max_retries=0)
+        chat = path == "/v1/chat/completions"
+        ask: dict[str, Any] = ({"messages": [{"role": "user", "content": "Say something."}]} if chat
+                               else {"prompt": "Say something:"})
+        create = client.chat.completions.create if chat else client.completions.create
+        whole = create(model="m", max_tokens=60, **ask)
+        text = whole.choices[0].message.content if chat else whole.choices[0].text
+        assert text and len(text) > 12, text
+        stop = text[8:12]  # greedy: the same prompt produces this again, and stops at it
+        streamed = "".join(
+            (c.choices[0].delta.content or "") if chat else c.choices[0].text
+            for c in create(model="m", max_tokens=60, stop=[stop], stream=True, **ask) if c.choices
+        )
+        stored = gw.session(cred["session_id"])["turns"][-1]["reply"]["content"]
+        assert stop not in streamed and streamed == stored == text[: text.index(stop)]

@@ -226,3 +226,17 @@ def test_completions_stream_token_prompt_to_length(gateway: Any, fake: Any) -> N
     chunks = list(client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=7, stream=True))
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     assert len(gateway.session(cred["session_id"])["turns"][-1]["completion_ids"]) == 7
+
+
+@pytest.mark.parametrize(("pieces", "stops", "out"), [
+    (["whichlif", "e", "Word", "more"], ["eWor"], "whichlif"),  # the stop token runs past the string
+    (["ab", "cXY", "Zd"], ["XYZ", "Q"], "abc"),
+    (["no stop ", "here"], ["zzz"], "no stop here"),
+    (["a", "b"], [], "ab"),
+])
+def test_stop_string_holdback(pieces: list[str], stops: list[str], out: str) -> None:
+    from gateway.routes.streaming import _StopHoldback
+
+    hold = _StopHoldback(stops)
+    got = "".join(hold.feed(p) for p in pieces[:-1]) + hold.rest(pieces[-1])
+    assert got == out
