@@ -42,8 +42,9 @@ from gateway.errors import BadRequest
 from gateway.generation import Generation
 from gateway.protocol import note_unknown_fields
 from gateway.settings import Settings
+from gateway.tool_grammar import ForcedTools
 from gateway.tool_parsers import ParsedReply
-from gateway.turns import TurnRequest, require_tools_supported
+from gateway.turns import TurnRequest, tools_for_choice
 
 log = logging.getLogger("rollway.gateway")
 B = TypeVar("B", bound=BaseModel)
@@ -246,14 +247,14 @@ def openai_tool_choice(choice: AnthropicToolChoice | None) -> Any:
     return choice.type  # auto, none
 
 
-def tools_for(choice: AnthropicToolChoice | None, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """The tools the turn is rendered with, after tool_choice (honoured through the chat route's rule, or
-    refused with its 400)."""
-    tools = require_tools_supported(openai_tool_choice(choice), tools)
-    if choice is not None and choice.disable_parallel_tool_use and tools:
-        raise BadRequest("tool_choice.disable_parallel_tool_use is not supported by this gateway yet (it needs "
-                         "constrained decoding); leave it out", param="tool_choice.disable_parallel_tool_use")
-    return tools
+def tools_for(
+    choice: AnthropicToolChoice | None, tools: list[dict[str, Any]] | None
+) -> tuple[list[dict[str, Any]] | None, ForcedTools | None]:
+    """(the tools the turn is rendered with, the forced choice): the chat route's `tools_for_choice`, with
+    `disable_parallel_tool_use` as its `parallel_tool_calls: false`; the same grammar, or the same 400."""
+    no_parallel = choice.disable_parallel_tool_use if choice is not None else None
+    parallel = None if no_parallel is None else not no_parallel
+    return tools_for_choice(openai_tool_choice(choice), tools, parallel)
 
 
 def thinking_kwargs(thinking: ThinkingConfig | None, template_source: str) -> dict[str, Any]:
@@ -269,14 +270,14 @@ def turn_request(body: CountTokensRequest, size: int, *, key: bytes, template_so
     for name, why in REFUSED_FIELDS.items():
         if (body.model_extra or {}).get(name) is not None:
             raise BadRequest(f"{name} is not supported: {why}", param=name)
-    tools = tools_for(body.tool_choice, chat_tools(body.tools))
+    tools, forced = tools_for(body.tool_choice, chat_tools(body.tools))
     json_schema = None
     if body.output_config is not None and body.output_config.format is not None:
         json_schema = json.dumps(body.output_config.format.schema_)
     req = TurnRequest(
         endpoint="messages", messages=chat_messages(body, key), tools=tools,
         asked=body.model_dump(exclude={"messages", "tools", "system"}, exclude_none=True, by_alias=True),
-        json_schema=json_schema, body_bytes=size, template_kwargs=thinking_kwargs(body.thinking, template_source),
+        json_schema=json_schema, forced=forced, body_bytes=size, template_kwargs=thinking_kwargs(body.thinking, template_source),
     )
     if isinstance(body, MessagesRequest):
         req.max_tokens = body.max_tokens

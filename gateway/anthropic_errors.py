@@ -29,9 +29,9 @@ def anthropic_path(scope: Any) -> bool:
     path = get_route_path(scope)
     if path.startswith("/sessions/"):
         path = "/" + path[len("/sessions/"):].partition("/")[2]
-    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+    if path.startswith("/v1/messages"):
         return True
-    if path == "/v1/models" or path.startswith("/v1/models/"):
+    if path.startswith("/v1/models"):
         return any(k == b"anthropic-version" for k, _ in scope.get("headers", ()))
     return False
 
