@@ -26,7 +26,7 @@ from gateway.routes.responses_stream import (
     response_object,
 )
 from gateway.routes.streaming import stream_turn
-from gateway.turns import TurnRequest, TurnService, require_tools_supported
+from gateway.turns import TurnRequest, TurnService, tools_for_choice
 
 
 def _text(content: Any, param: str) -> str:
@@ -108,16 +108,18 @@ async def _responses(request: Request, session_id: str | None) -> Response:
     if body.previous_response_id:
         raise BadRequest("this endpoint is stateless: send the whole conversation as input",
                          param="previous_response_id")
+    # Responses' {"type": "function", "name"} is chat's {"type": "function", "function": {"name"}}; a forced
+    # choice is decoded under a grammar, as on chat completions.
     tool_choice = body.tool_choice
-    if isinstance(tool_choice, dict):
-        tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
-    tools = require_tools_supported(tool_choice, chat_tools(body))
+    if isinstance(tool_choice, dict) and "function" not in tool_choice:
+        tool_choice = {**tool_choice, "function": {"name": tool_choice.get("name")}}
+    tools, forced = tools_for_choice(tool_choice, chat_tools(body), body.parallel_tool_calls)
     turns: TurnService = request.app.state.turns
     req = TurnRequest(
         endpoint="responses", messages=input_messages(body), tools=tools,
         asked=body.model_dump(exclude={"input", "tools", "instructions"}, exclude_none=True),
         max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, body_bytes=size,
-        json_schema=text_json_schema(body),
+        json_schema=text_json_schema(body), forced=forced,
     )
     if not req.messages:
         raise BadRequest("input is empty", param="input")

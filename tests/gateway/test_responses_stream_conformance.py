@@ -87,7 +87,8 @@ def _doc_fields(section: str) -> set[str]:
     """The backticked names in the first column of the request-field table under `## <section>`."""
     text = DOC.read_text()
     body = text.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
-    return {m.group(1) for m in re.finditer(r"^\| `([a-z_.]+)`", body, re.M)}
+    cells = [line.split("|")[1] for line in body.splitlines() if line.startswith("| `")]
+    return {name for cell in cells for name in re.findall(r"`([a-z_.]+)`", cell)}
 
 
 @pytest.mark.parametrize(("section", "model", "refused"), [
@@ -99,3 +100,24 @@ def test_every_field_has_a_row(section: str, model: Any, refused: dict[str, Any]
     names = {f.alias or name for name, f in model.model_fields.items()} | set(refused)
     missing = names - _doc_fields(section)
     assert not missing, f"docs/conformance-openai.md {section} lacks rows for {sorted(missing)}"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_forced_tool_choice_is_constrained(gateway: Any, fake: Any, tokenizer: Any, stream: bool) -> None:
+    """tool_choice naming a function (Responses' own form) and parallel_tool_calls: false reach the backend as
+    a grammar, as on chat completions; the reply is the call."""
+    from tests.gateway.conftest import ids_of
+
+    cred = gateway.group(2)["sessions"][0]
+    tool = {"type": "function", "name": "calculate", "description": "math",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}
+    call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "37+48"}}\n</tool_call>'
+    fake.script([ids_of(tokenizer, call)])
+    r = gateway.openai(cred).responses.create(
+        model="m", input="37+48?", tools=[tool], tool_choice={"type": "function", "name": "calculate"},
+        parallel_tool_calls=False, max_output_tokens=100, stream=stream)
+    final = list(r)[-1].response if stream else r
+    assert fake.requests[-1]["sampling_params"].get("structural_tag")
+    (fc,) = [o for o in final.output if o.type == "function_call"]
+    assert fc.name == "calculate" and fc.arguments == '{"expression": "37+48"}'
+    assert final.tool_choice.name == "calculate" and final.parallel_tool_calls is False
