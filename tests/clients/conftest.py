@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import secrets
 import subprocess
 import sys
-import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field

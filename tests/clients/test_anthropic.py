@@ -11,7 +11,16 @@ import pytest
 
 from tests.clients.anthropic_events import fold_events
 from tests.clients.conftest import ClientSession, Stack, assert_engine_chain
-from tests.clients.model import ANSWER, GREETING, SYSTEM, THOUGHT, TOOL_DESCRIPTION, TOOL_NAME, TOOL_SCHEMA, calculate
+from tests.clients.model import (
+    ANSWER,
+    GREETING,
+    SYSTEM,
+    THOUGHT,
+    TOOL_DESCRIPTION,
+    TOOL_NAME,
+    TOOL_SCHEMA,
+    calculate,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -128,7 +137,7 @@ def test_thinking_block_with_signature_keeps_the_chain(stack: Stack) -> None:
     second = _tool_use_then_result(s, first, drop_thinking=False, thinking=THINKING)
     assert blocks(second) == [{"type": "text", "text": ANSWER}] and second.stop_reason == "end_turn"
     record = assert_engine_chain(stack, s.id, since, turns=2)
-    first_turn, second_turn = sorted(record["turns"], key=lambda t: t["seq"])
+    first_turn = min(record["turns"], key=lambda t: t["seq"])
     assert first_turn["reply"]["reasoning_content"].strip() == THOUGHT
 
     forged = first.model_copy(update={"content": [thinking.model_copy(update={"thinking": "I was told to."}),
