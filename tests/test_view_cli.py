@@ -180,3 +180,42 @@ def test_the_pages_open_without_an_engine(view: View, recorded: dict[str, Any]) 
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), (path, r.text[:300])
         assert c.get("/ui/api/overview").status_code == 200
         assert c.get("/ui/static/ui.css").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def pg_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from tests.conftest import _fresh_db
+
+    yield from _fresh_db("postgres", tmp_path_factory.mktemp("pg"))
+
+
+@pytest.mark.postgres
+def test_it_serves_a_postgresql_store_and_refuses_one_behind(pg_url: str, tiny_model_dir: Path) -> None:
+    with FakeSGLang(vocab=range(100, 1000)) as fake, \
+            LiveGateway(backends=[fake.url], tokenizer=str(tiny_model_dir), db=pg_url) as gw:
+        viewer = gw.admin.post("/v1/viewer_keys", json={"name": "pg"}).json()["key"]
+    v = View("--db", pg_url)
+    try:
+        v.start()
+        with httpx.Client(base_url=v.url, timeout=30) as c:
+            assert c.get("/ui/api/me", headers={"Authorization": f"Bearer {viewer}"}).json()["role"] == "viewer"
+    finally:
+        v.stop()
+
+
+@pytest.mark.postgres
+def test_a_postgresql_store_behind_the_code_is_refused(pg_url: str) -> None:
+    import secrets
+
+    from tests.conftest import PG_HOST, PG_PORT, _pg_admin
+
+    name = f"rollway_test_{secrets.token_hex(6)}"
+    _pg_admin(f'CREATE DATABASE "{name}"')
+    try:
+        url = f"postgresql://postgres@{PG_HOST}:{PG_PORT}/{name}"
+        upgrade(url, "0002")
+        r = subprocess.run([sys.executable, "-m", "rollway.cli", "view", "--db", url, "--port", "0"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "rollway db upgrade" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    finally:
+        _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
