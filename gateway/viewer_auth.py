@@ -195,8 +195,19 @@ async def login_form(request: Request) -> Response:
     return login_page(safe_next(request.query_params.get("next")))
 
 
+def _cross_site(request: Request) -> bool:
+    """A form posted from another site's page (its Origin is not this host): refused, so no other site can sign
+    a browser in with a key of its choosing (login CSRF) or out. A client that sends no Origin is no browser."""
+    origin = request.headers.get("origin")
+    if origin is None:
+        return False
+    return urllib.parse.urlsplit(origin).netloc.lower() != request.headers.get("host", "").lower()
+
+
 @router.post(LOGIN, include_in_schema=False)
 async def login(request: Request) -> Response:
+    if _cross_site(request):
+        return login_page("/ui", "Sign in from this site's own form.", 403)
     client = _client(request)
     limiter = _limiter(request)
     try:
@@ -228,6 +239,8 @@ async def login(request: Request) -> Response:
 
 @router.post("/ui/logout", include_in_schema=False)
 async def logout(request: Request) -> Response:
+    if _cross_site(request):
+        raise Forbidden("sign out from this site's own page")
     token = request.cookies.get(COOKIE)
     if token:
         await request.app.state.store.delete_ui_session(token)

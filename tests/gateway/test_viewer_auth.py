@@ -214,3 +214,14 @@ def test_a_browser_without_a_sign_in_is_sent_to_the_form(gw: LiveGateway, browse
     with httpx.Client(base_url=gw.url, timeout=30, cookies={COOKIE: "made-up"}) as forged:
         assert forged.get("/ui/api/me", headers={"Accept": "text/html"}).status_code == 303
         assert forged.get("/ui/api/me").status_code == 401
+
+
+def test_forms_posted_from_another_site_are_refused(gw: LiveGateway, browser: httpx.Client) -> None:
+    evil = {"Origin": "https://evil.example"}
+    r = browser.post("/ui/login", data={"key": ADMIN_KEY}, headers=evil)
+    assert r.status_code == 403 and "set-cookie" not in r.headers  # no login CSRF with a key of its choosing
+    same = browser.post("/ui/login", data={"key": ADMIN_KEY}, headers={"Origin": gw.url})
+    assert same.status_code == 303
+    assert browser.post("/ui/logout", headers=evil).status_code == 403
+    assert browser.get("/ui/api/me").status_code == 200  # still signed in
+    assert browser.post("/ui/logout", headers={"Origin": gw.url}).status_code == 303
