@@ -66,6 +66,8 @@ class GenRequest:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     stream: bool = False  # deltas after every step; otherwise one at the end
+    lora: Any = None
+    """The request's LoRA adapter (engine/lora.py `Adapter`), or None: the base model."""
     grammar: Any = None
     """The request's compiled grammar (engine/grammar.py), or None: unconstrained."""
 
@@ -122,6 +124,8 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.context_length = context_length
         self.weight_version = "default"
+        self.lora: Any = None
+        """engine/lora.py `LoRAManager` when LoRA is enabled: told each forward's per-row adapters."""
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._waiting: deque[_Seq] = deque()
         self._rows: list[_Seq] = []
@@ -332,7 +336,8 @@ class Scheduler:
             if self._wants_input_logprobs(seq):
                 groups.append([seq])
                 continue
-            if current and max(width, n) * (len(current) + 1) > PREFILL_TOKEN_BUDGET:
+            if current and (max(width, n) * (len(current) + 1) > PREFILL_TOKEN_BUDGET
+                            or seq.req.lora is not current[0].req.lora):  # one adapter per prefill
                 groups.append(current)
                 current, width = [], 0
             current.append(seq)
@@ -343,6 +348,8 @@ class Scheduler:
         """Forward each sequence so far; return the rows' cache and their last logits (B, V)."""
         want_input = len(group) == 1 and self._wants_input_logprobs(group[0])
         sequences = [s.req.input_ids + s.output_ids for s in group]
+        if self.lora is not None:
+            self.lora.select([s.req.lora for s in group])
         batch, logits = prefill(self.model, sequences, all_logits=want_input)
         self.stats.prefill_forwards += 1
         self.stats.prefill_rows += len(sequences)
@@ -373,6 +380,8 @@ class Scheduler:
 
     def _decode(self) -> None:
         inputs = self._batch.step_inputs([s.output_ids[-1] for s in self._rows])
+        if self.lora is not None:
+            self.lora.select([s.req.lora for s in self._rows])
         logits = self.model(**inputs).logits[:, -1, :]  # (B, V)
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(self._rows)

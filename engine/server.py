@@ -23,6 +23,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import AutoTokenizer, PreTrainedModel
 
 from engine.grammar import GrammarCompiler, grammar_key
+from engine.lora import (
+    REQUEST_ADAPTER,
+    LoRAError,
+    LoRAManager,
+    LoRAOptions,
+    add_lora_routes,
+    select_adapter,
+    setup,
+)
 from engine.protocol import GenerateCall, GenerateSpec, Result, parse_generate
 from engine.sampling import InvalidRequest, UnknownSamplingKey
 from engine.scheduler import GenRequest, Scheduler, load_model
@@ -55,6 +64,8 @@ class Engine:
         self.context_length = context_length or int(model.config.get_text_config().max_position_embeddings)
         self.vocab_size = int(model.config.get_text_config().vocab_size)
         self.max_batch_size = max_batch_size
+        self.lora: LoRAManager | None = None
+        """Set by `create_app` with --enable-lora (engine/lora.py)."""
         self._grammars: GrammarCompiler | None = None
         self.scheduler = Scheduler(
             model,
@@ -78,6 +89,7 @@ class Engine:
             top_logprobs_num=spec.top_logprobs_num,
             logprob_start_len=spec.logprob_start_len,
             stream=spec.stream,
+            lora=REQUEST_ADAPTER.get(),
             grammar=spec.grammar,
         )
         result = Result(spec, self.tokenizer)
@@ -150,6 +162,7 @@ def create_app(
     max_batch_size: int = 32,
     context_length: int | None = None,
     incremental_streaming_output: bool = False,
+    lora: LoRAOptions | None = None,
 ) -> FastAPI:
     engine = Engine(
         model_dir,
@@ -167,6 +180,9 @@ def create_app(
 
     app = FastAPI(title="rollway engine", lifespan=lifespan)
     app.state.engine = engine
+    if lora is not None and lora.enable_lora:
+        setup(engine, lora)
+    add_lora_routes(app, engine)
     _add_error_handlers(app)
     _add_routes(app, engine)
     add_weight_sync_routes(app, engine, _json_body)  # the process-group path (gloo)
@@ -177,6 +193,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(UnknownSamplingKey)
     async def unknown_key(request: Request, exc: UnknownSamplingKey) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @app.exception_handler(LoRAError)
+    async def lora_error(request: Request, exc: LoRAError) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
 
     @app.exception_handler(InvalidRequest)
     async def invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
@@ -203,9 +223,9 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        call = parse_generate(
-            await _json_body(request), engine.tokenizer, engine.context_length, engine.vocab_size
-        )
+        body = await _json_body(request)
+        call = parse_generate(body, engine.tokenizer, engine.context_length, engine.vocab_size)
+        select_adapter(engine.lora, body)  # lora_path: the adapter its rows use (400 when not loaded)
         if grammar_key(call.specs[0].params) is not None:
             call = await asyncio.to_thread(engine.with_grammars, call)
         if call.stream:
@@ -259,6 +279,8 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
             if not path:
                 raise ValueError("model_path is required")
             model = await asyncio.to_thread(load_model, path)
+            if engine.lora is not None:  # the new weights serve the loaded adapters too
+                engine.lora.wrap(model)
         except Exception as exc:  # any unloadable checkpoint: refuse it and keep serving the old weights
             message = f"Failed to update weights from {path!r}: {type(exc).__name__}: {exc}"
             return JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, 400)
@@ -335,6 +357,7 @@ def serve(
     log_level: str = "warning",
     incremental_streaming_output: bool = False,
     context_length: int | None = None,
+    lora: LoRAOptions | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn handles both and runs the lifespan shutdown)."""
     app = create_app(
@@ -343,6 +366,7 @@ def serve(
         max_batch_size=max_batch_size,
         context_length=context_length,
         incremental_streaming_output=incremental_streaming_output,
+        lora=lora,
     )
     build_server(app, host=host, port=port, log_level=log_level).run()
 
@@ -379,6 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--incremental-streaming-output", action="store_true")
     parser.add_argument("--log-level", default="warning")
+    LoRAOptions.add_arguments(parser)
     args = parser.parse_args(argv)
     serve(
         args.model,
@@ -389,6 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         incremental_streaming_output=args.incremental_streaming_output,
         context_length=args.context_length,
+        lora=LoRAOptions.from_args(args),
     )
 
 

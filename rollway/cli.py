@@ -17,11 +17,26 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
+    from engine.lora import LoRAOptions
     from engine.server import serve
 
     serve(args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-          max_batch_size=args.max_batch_size, incremental_streaming_output=args.incremental_streaming_output)
+          max_batch_size=args.max_batch_size, incremental_streaming_output=args.incremental_streaming_output,
+          lora=LoRAOptions.from_args(args))
     return 0
+
+
+def _lora_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """SGLang's LoRA flags on `rollway engine` (engine/lora.py; imported lazily: the CLI starts without torch)."""
+    g = parser.add_argument_group("LoRA adapters (SGLang's flags)")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)")
+    g.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME",
+                   help="linears adapters may target (default q_proj k_proj v_proj o_proj; 'all')")
+    g.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a higher rank")
+    g.add_argument("--max-loaded-loras", type=int, default=None,
+                   help="adapters kept loaded; a load past it unloads the least recently used one")
+    g.add_argument("--max-loras-per-batch", type=int, default=8, help="accepted for SGLang compatibility")
+    g.add_argument("--lora-paths", nargs="+", default=[], metavar="NAME=PATH", help="adapters loaded at start")
 
 
 def _init_model(args: argparse.Namespace) -> int:
@@ -208,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-batch-size", type=int, default=32, help="sequences decoded together")
     e.add_argument("--incremental-streaming-output", action="store_true",
                    help="stream deltas instead of cumulative chunks (like SGLang's flag)")
+    _lora_engine_flags(e)
     e.set_defaults(fn=_engine)
 
     m = sub.add_parser("init-model", formatter_class=HelpFormatter,
