@@ -201,7 +201,8 @@ def _cross_site(request: Request) -> bool:
     origin = request.headers.get("origin")
     if origin is None:
         return False
-    return urllib.parse.urlsplit(origin).netloc.lower() != request.headers.get("host", "").lower()
+    hosts = {request.headers.get(h, "").lower() for h in ("host", "x-forwarded-host")}  # a proxy may rewrite Host
+    return urllib.parse.urlsplit(origin).netloc.lower() not in hosts - {""}
 
 
 @router.post(LOGIN, include_in_schema=False)
