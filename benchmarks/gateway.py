@@ -1,6 +1,7 @@
 """Gateway overhead: req/s, latency and CPU per request of the recording gateway, against the same fast fake
 backend reached (a) directly, (b) through a minimal FastAPI + aiohttp pass-through, (c) through the gateway
-recording to SQLite and (d) to PostgreSQL, at concurrency 1, 32 and 128.
+recording to SQLite and (d) to PostgreSQL, at concurrency 1, 32 and 128; and (e) `messages`: the gateway on
+SQLite serving the same conversation through the Anthropic Messages route.
 
     python benchmarks/gateway.py                  # full run: 2 s warm-up + 10 s per measurement
     python benchmarks/gateway.py --quick          # smoke run
@@ -29,6 +30,11 @@ the pass-through's req/s. This machine is shared and its speed drifts by tens of
 pass-through alone was seen at 0.30-0.43 ms CPU per request), so `--repeat N` runs every configuration N
 times, interleaved, and reports medians; the throughput ratio is taken against the pass-through of the same
 round. Needs `wrk` on PATH, PostgreSQL at --pg (trust auth) for `postgres`.
+
+`messages` sends the Anthropic form of the same two calls (system, the tool use and its result as content
+blocks; call 2 adds the text reply and the follow-up) to /v1/messages: the same prompt ids, the same
+recording and continuity; the answer carries no logprobs (the Messages API has none), which the chat
+bodies ask for.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from bench_procs import ROOT, Procs, Snapshot
 from rollway.embedded import free_port
 
 LEVELS = (1, 32, 128)
-CONFIGS = ("direct", "passthrough", "sqlite", "postgres")
+CONFIGS = ("direct", "passthrough", "sqlite", "postgres", "messages")
 GROUP_SIZE = 8
 MAX_TOKENS = 64
 N = "__N__"  # per-request number in the bodies; wrk's Lua fills it in
@@ -82,6 +88,27 @@ def chat_body(messages: list[dict[str, Any]]) -> str:
                        "temperature": 0.7, "logprobs": True})
 
 
+def messages_body(chat: list[dict[str, Any]]) -> str:
+    """The Anthropic Messages form of a chat conversation of this workload (system, user, assistant text or
+    tool calls, tool results)."""
+    messages: list[dict[str, Any]] = []
+    for m in chat[1:]:
+        if m["role"] == "assistant":
+            blocks: list[dict[str, Any]] = [{"type": "text", "text": m["content"]}] if m.get("content") else []
+            blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                        "input": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls") or []]
+            messages.append({"role": "assistant", "content": blocks})
+        elif m["role"] == "tool":
+            messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                                                          "content": m["content"]}]})
+        else:
+            messages.append({"role": "user", "content": m["content"]})
+    fn = TOOL["function"]
+    tool = {"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}
+    return json.dumps({"model": "tiny", "system": chat[0]["content"], "messages": messages, "tools": [tool],
+                       "max_tokens": MAX_TOKENS, "temperature": 0.7})
+
+
 @dataclass
 class Workload:
     """Request bodies (with the N placeholder) and the gateway-equivalent prompt ids."""
@@ -92,6 +119,8 @@ class Workload:
     ids1: list[int]
     ids2: list[int]
     sampling: dict[str, Any]
+    messages1: str = ""
+    messages2: str = ""
 
     def generate_body(self, ids: list[int]) -> str:
         sampling = {**self.sampling, "max_new_tokens": MAX_TOKENS}
@@ -117,7 +146,8 @@ def build_workload(tokenizer_dir: Path) -> Workload:
     sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": sorted(template.stop_token_ids),
                 "skip_special_tokens": False}
     return Workload(reply, chat_body(CALL1), chat_body([*CALL1, reply, FOLLOW_UP]), ids1,
-                    ids1 + list(REPLY_IDS) + ext[0], sampling)
+                    ids1 + list(REPLY_IDS) + ext[0], sampling, messages_body(CALL1),
+                    messages_body([*CALL1, reply, FOLLOW_UP]))
 
 
 # --- wrk and its Lua script ---------------------------------------------------------------------------
@@ -266,6 +296,17 @@ def probe_gateway(base: str, admin_key: str, wl: Workload) -> None:
     assert after.get("extends", 0) - before.get("extends", 0) == 1, f"call 2 did not extend call 1: {after}"
 
 
+def probe_messages(base: str, admin_key: str, wl: Workload) -> None:
+    """probe_gateway on the Messages route: the same reply as text, call 2 extends call 1."""
+    key = http_json(f"{base}/v1/groups", {"task": "probe", "n_samples": 1}, admin_key)["sessions"][0]["api_key"]
+    before = turn_counts(base)
+    first = http_json(f"{base}/v1/messages", json.loads(wl.messages1.replace(N, "0")), key)
+    assert first["content"] == [{"type": "text", "text": wl.reply["content"]}], f"unexpected reply {first}"
+    http_json(f"{base}/v1/messages", json.loads(wl.messages2.replace(N, "0")), key)
+    after = turn_counts(base)
+    assert after.get("extends", 0) - before.get("extends", 0) == 1, f"call 2 did not extend call 1: {after}"
+
+
 # --- one measurement ---------------------------------------------------------------------------------
 
 
@@ -389,16 +430,20 @@ def run_config(name: str, args: argparse.Namespace, wl: Workload, procs: Procs, 
         script = lua_script(workdir / "chat.lua", "/v1/chat/completions", wl.chat1, wl.chat2)
         target = Target(name, url, proc.pid, script)
     else:
-        if name == "sqlite":
-            db = f"sqlite:///{workdir / 'bench.db'}"
+        if name in ("sqlite", "messages"):
+            db = f"sqlite:///{workdir / ('bench.db' if name == 'sqlite' else 'messages.db')}"
         else:
             dbname = f"rollway_bench_{os.getpid()}_{secrets.token_hex(3)}"
             asyncio.run(_pg(args.pg_host, args.pg_port, f'CREATE DATABASE "{dbname}"'))
             db = f"postgresql://postgres@{args.pg_host}:{args.pg_port}/{dbname}"
         try:
             url, pid = start_gateway(procs, name, backend, tokenizer, db, admin_key)
-            probe_gateway(url, admin_key, wl)
-            script = lua_script(workdir / "chat.lua", "/v1/chat/completions", wl.chat1, wl.chat2)
+            if name == "messages":
+                probe_messages(url, admin_key, wl)
+                script = lua_script(workdir / "messages.lua", "/v1/messages", wl.messages1, wl.messages2)
+            else:
+                probe_gateway(url, admin_key, wl)
+                script = lua_script(workdir / "chat.lua", "/v1/chat/completions", wl.chat1, wl.chat2)
             target = Target(name, url, pid, script, dbname, admin_key, extra)
             return [measure(target, backend_pid, c, args.seconds, args.warmup, workdir) for c in args.levels]
         finally:
@@ -452,7 +497,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         if r["concurrency"] == 32:
             rounds.setdefault(r["round"], {})[r["config"]] = r["req_s"]
     targets: dict[str, Any] = {}
-    for db in ("sqlite", "postgres"):
+    for db in ("sqlite", "postgres", "messages"):
         row = by.get((db, 32))
         if row is None:
             continue
