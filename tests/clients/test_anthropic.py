@@ -45,7 +45,7 @@ def assert_usage(message: Any, turn: dict[str, Any]) -> None:
 
 def test_create_plain_text(stack: Stack) -> None:
     s, since = stack.new_session(), stack.proxy.mark()
-    r = client(s).messages.create(model="claude-sonnet-4-5", max_tokens=64,
+    r = client(s).messages.create(model="policy", max_tokens=64,
                                   messages=[{"role": "user", "content": "Good morning to you."}])
     assert r.type == "message" and r.role == "assistant"
     assert blocks(r) == [{"type": "text", "text": GREETING}] and r.stop_reason == "end_turn"
@@ -57,7 +57,7 @@ def test_create_plain_text(stack: Stack) -> None:
 def test_stream_helper_text_events(stack: Stack) -> None:
     """`messages.stream`: the raw events form Anthropic's sequence and fold into the final message."""
     s, since = stack.new_session(), stack.proxy.mark()
-    with client(s).messages.stream(model="claude-sonnet-4-5", max_tokens=64,
+    with client(s).messages.stream(model="policy", max_tokens=64,
                                    messages=[{"role": "user", "content": "Good morning to you."}]) as stream:
         events = list(stream)
         final = stream.get_final_message()
@@ -76,7 +76,7 @@ def test_create_stream_true_tool_use_events(stack: Stack) -> None:
     """`create(stream=True)` with a tool: thinking (thinking_delta, signature_delta), then the tool_use block
     (input_json_delta), stop_reason tool_use; the same blocks as the same request unstreamed."""
     whole_session, streamed_session = stack.new_session(), stack.new_session()
-    request: dict[str, Any] = {"model": "claude-sonnet-4-5", "max_tokens": 128, "system": SYSTEM, "tools": TOOLS,
+    request: dict[str, Any] = {"model": "policy", "max_tokens": 128, "system": SYSTEM, "tools": TOOLS,
                                "messages": [{"role": "user", "content": QUESTION}]}
     since = stack.proxy.mark()
     events = list(client(streamed_session).messages.create(**request, stream=True))
@@ -100,7 +100,7 @@ def _tool_use_then_result(s: ClientSession, first: Any, *, drop_thinking: bool, 
     [use] = [b for b in first.content if b.type == "tool_use"]
     assert use.name == TOOL_NAME
     sent_back = [b for b in first.content if not (drop_thinking and b.type == "thinking")]
-    return client(s).messages.create(model="claude-sonnet-4-5", max_tokens=128, system=SYSTEM, tools=TOOLS, **kw,
+    return client(s).messages.create(model="policy", max_tokens=128, system=SYSTEM, tools=TOOLS, **kw,
                                      messages=[{"role": "user", "content": QUESTION},
                                                {"role": "assistant", "content": sent_back},
                                                {"role": "user", "content": [{
@@ -112,7 +112,7 @@ def test_two_step_tool_use(stack: Stack) -> None:
     """tool_use -> tool_result -> final text, one token chain; the client sends back only the tool_use
     (as agents that ignore thinking do)."""
     s, since = stack.new_session(), stack.proxy.mark()
-    first = client(s).messages.create(model="claude-sonnet-4-5", max_tokens=128, system=SYSTEM, tools=TOOLS,
+    first = client(s).messages.create(model="policy", max_tokens=128, system=SYSTEM, tools=TOOLS,
                                       messages=[{"role": "user", "content": QUESTION}])
     assert first.stop_reason == "tool_use"
     second = _tool_use_then_result(s, first, drop_thinking=True)
@@ -129,7 +129,7 @@ def test_thinking_block_with_signature_keeps_the_chain(stack: Stack) -> None:
     (as Anthropic requires during tool use) the next turn extends the chain. A changed thinking text is
     refused, as Anthropic's API refuses it."""
     s, since = stack.new_session(), stack.proxy.mark()
-    first = client(s).messages.create(model="claude-sonnet-4-5", max_tokens=2048, thinking=THINKING, system=SYSTEM,
+    first = client(s).messages.create(model="policy", max_tokens=2048, thinking=THINKING, system=SYSTEM,
                                       tools=TOOLS, messages=[{"role": "user", "content": QUESTION}])
     assert [b.type for b in first.content] == ["thinking", "tool_use"], blocks(first)
     thinking = first.content[0]
