@@ -159,7 +159,7 @@ _HEADERS = {
     "X-Frame-Options": "DENY",  # no clickjacking of the form
     "Content-Security-Policy": "default-src 'none'; style-src 'self' 'unsafe-inline'; form-action 'self'; "
                                "frame-ancestors 'none'",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",  # not no-referrer: a browser would then post the form with Origin: null
 }
 
 
