@@ -1,9 +1,9 @@
 """The trainer's report of each step (admin): its figures and the advantage of every session it trained.
 
 The trainer posts one report per published version (`POST /v1/training/steps`), off its training thread
-(trainer/reports.py); the store keeps them (`training_steps`, `trained_samples`) so that the store alone can
-show loss, KL, entropy and advantages, e.g. in `rollway view` after the run. A report of a version already
-reported replaces it: the trainer may retry one whose answer it did not see.
+(`StepReporter` in trainer/client.py); the store keeps them (`training_steps`, `trained_samples`) so that the
+store alone can show loss, KL, entropy and advantages, e.g. in `rollway view` after the run. A report of a
+version already reported replaces it: the trainer may retry one whose answer it did not see.
 """
 
 from __future__ import annotations
