@@ -53,7 +53,8 @@ def test_tool_choice_required(stack: Stack) -> None:
 
 
 def test_tool_choice_named_function(stack: Stack) -> None:
-    """The model, left alone, calls calculate (it was trained to); named, the call is set_unit."""
+    """Named, the call is set_unit, a tool the model was never taught (left alone it never calls it: the
+    control below)."""
     choice, _ = _forced_call(stack, [model.openai_tool(), SET_UNIT],
                              {"type": "function", "function": {"name": "set_unit"}}, "What is 12+7?")
     assert choice.finish_reason == "tool_calls", choice
@@ -62,15 +63,14 @@ def test_tool_choice_named_function(stack: Stack) -> None:
     jsonschema.validate(json.loads(call.function.arguments), UNIT_SCHEMA)
 
 
-def test_auto_calls_calculate_unconstrained(stack: Stack) -> None:
-    """The control for the named test: with tool_choice auto the same request calls calculate, and the
-    engine got no grammar."""
+def test_auto_never_calls_set_unit(stack: Stack) -> None:
+    """The control for the named test: with tool_choice auto the same request gets no grammar and no set_unit
+    call (the tuned model, trained with calculate alone, makes no well-formed call with two tools offered)."""
     s, since = stack.new_session(), stack.proxy.mark()
     r = client(s).chat.completions.create(
         model="policy", max_tokens=128, tools=[model.openai_tool(), SET_UNIT],
         messages=[{"role": "system", "content": model.SYSTEM}, {"role": "user", "content": "What is 12+7?"}])
     [sent] = stack.proxy.generate_records(since)
     assert not any(sent["sampling_params"].get(k) for k in GRAMMAR_KEYS), sent["sampling_params"]
-    assert [c.function.name for c in r.choices[0].message.tool_calls or []] == [model.TOOL_NAME]
-    assert r.choices[0].message.reasoning_content.strip() == model.THOUGHT  # type: ignore[attr-defined]
+    assert "set_unit" not in [c.function.name for c in r.choices[0].message.tool_calls or []]
     assert_engine_chain(stack, s.id, since, turns=1)
