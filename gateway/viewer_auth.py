@@ -217,7 +217,10 @@ async def login(request: Request) -> Response:
         response = login_page("/ui", e.message, 429)
         response.headers["Retry-After"] = str(max(1, round(e.retry_after or 1)))
         return response
-    form = urllib.parse.parse_qs((await read_raw_body(request)).decode("utf-8", "replace"), max_num_fields=10)
+    try:
+        form = urllib.parse.parse_qs((await read_raw_body(request)).decode("utf-8", "replace"), max_num_fields=10)
+    except ValueError:  # more fields than the form has
+        return login_page("/ui", "The form was not understood.", 400)
     key = (form.get("key") or [""])[0].strip()
     next_path = safe_next((form.get("next") or [""])[0])
     found = await identify(request, key) if key else None

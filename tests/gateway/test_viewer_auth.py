@@ -225,3 +225,17 @@ def test_forms_posted_from_another_site_are_refused(gw: LiveGateway, browser: ht
     assert browser.post("/ui/logout", headers=evil).status_code == 403
     assert browser.get("/ui/api/me").status_code == 200  # still signed in
     assert browser.post("/ui/logout", headers={"Origin": gw.url}).status_code == 303
+
+
+@pytest.mark.parametrize("body", [
+    b"&".join(b"f%d=1" % i for i in range(50)),  # more fields than the form has
+    b"key=\xff\xfe%00%ff&next=%00",  # not UTF-8, NULs
+    b"key=" + b"x" * 100_000,
+    b'{"key": "rw-admin-test-key"}',  # JSON is not the form
+    b"",
+])
+def test_hostile_sign_in_bodies_are_answered_never_a_500(gw: LiveGateway, body: bytes) -> None:
+    gw.app.state.ui_sign_in_limiter = SignInLimiter()
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        r = c.post("/ui/login", content=body, headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code in (400, 401) and "set-cookie" not in r.headers, r.text[:200]
