@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.adapters import missing, route_adapter
 from gateway.errors import BadRequest, ServiceUnavailable
 from gateway.pool import Backend, BackendPool, NoBackendAvailable
 from gateway.sglang import BackendRejected, BackendUnavailable
@@ -110,6 +111,7 @@ async def generate(
         if top_logprobs:
             payload["top_logprobs_num"] = top_logprobs
         out.rid = payload["rid"]
+        adapter = route_adapter(pool, session_id, payload)  # a LoRA publish: lora_path, and the version it is
         # The pool keeps a session on its backend, so a resubmission lands where the prefix is cached.
         try:
             if stream:
@@ -121,7 +123,7 @@ async def generate(
                         out.cached_tokens = chunk.cached_tokens or out.cached_tokens
                         if chunk.output_ids:
                             out.add(chunk.output_ids, chunk.logprobs, chunk.top_logprobs,
-                                    parse_version(chunk.weight_version))
+                                    adapter.version if adapter else parse_version(chunk.weight_version))
                             yield len(chunk.output_ids)
                         if chunk.finish_reason is not None:
                             out.finish = chunk.finish_reason
@@ -132,11 +134,15 @@ async def generate(
                 out.served_by(backend.id)
                 out.prompt_tokens = res.prompt_tokens or out.prompt_tokens
                 out.cached_tokens = res.cached_tokens or out.cached_tokens
-                out.add(res.output_ids, res.logprobs, res.top_logprobs, parse_version(res.weight_version))
+                out.add(res.output_ids, res.logprobs, res.top_logprobs,
+                        adapter.version if adapter else parse_version(res.weight_version))
                 out.finish = res.finish_reason
                 if res.output_ids:
                     yield len(res.output_ids)
         except BackendRejected as e:
+            if adapter is not None and missing(e):  # unloaded meanwhile (evicted, another gateway): route again
+                await pool.adapters.refresh()
+                continue
             raise BadRequest(f"the inference backend refused the request: {e}") from e
         except NoBackendAvailable as e:
             raise ServiceUnavailable(f"no inference backend is available: {e}", retry_after=5) from e

@@ -84,6 +84,8 @@ class BackendPool:
         self._on_recover = on_recover
         self._client_options = client_options or {}
         self._health_task: asyncio.Task[None] | None = None
+        self.adapters: Any = None
+        """gateway/adapters.py `Adapters` (set by the publisher): the LoRA adapter each request is routed to."""
 
     # -- registry ----------------------------------------------------------------------------------
 

@@ -193,6 +193,24 @@ class SGLangClient:
         if not (isinstance(obj, dict) and obj.get("success")):
             raise BackendRejected(200, _error_message(orjson.dumps(obj)))
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """POST /load_lora_adapter: SGLang's LoRAUpdateOutput `{success, error_message, loaded_adapters}`;
+        BackendRejected on `success: false` (HTTP 400: not loadable, name taken, rank or modules not served)."""
+        body = {"lora_name": lora_name, "lora_path": lora_path}
+        obj = _loads(await self._call("POST", "/load_lora_adapter", body, self._gen_timeout), "load_lora_adapter")
+        if not (isinstance(obj, dict) and obj.get("success")):
+            raise BackendRejected(200, _error_message(orjson.dumps(obj)))
+        return obj
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """POST /unload_lora_adapter: answers once the requests using it ended. BackendRejected when the name
+        is not loaded (400 `success: false`)."""
+        body = {"lora_name": lora_name}
+        obj = _loads(await self._call("POST", "/unload_lora_adapter", body, self._gen_timeout), "unload_lora_adapter")
+        if not (isinstance(obj, dict) and obj.get("success")):
+            raise BackendRejected(200, _error_message(orjson.dumps(obj)))
+        return obj
+
     async def model_info(self) -> dict[str, Any]:
         return await self._get_json("/model_info", "/get_model_info")
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from gateway.adapters import Adapters, is_adapter
 from gateway.errors import ServiceUnavailable, TooManyRequests
 from gateway.metrics import Metrics
 from gateway.pool import Backend, BackendPool
@@ -33,9 +34,13 @@ class Publisher:
         self.leases = leases
         self.metrics = metrics
         self._lock = asyncio.Lock()
+        self.adapters = Adapters(pool, leases)
+        pool.adapters = self.adapters
 
     async def publish(self, version: int, model_path: str, batch_ids: list[str], results: dict[str, str]) -> dict[str, Any]:
         await self.leases.check_publishable(version, batch_ids)
+        if is_adapter(model_path):
+            return await self._publish_adapter(version, model_path, batch_ids, results)
         async with self._lock:
             t0 = time.perf_counter()
             backends = [b for b in self.pool.backends() if b.healthy]
@@ -58,6 +63,29 @@ class Publisher:
         self.metrics.weight_version.set(version)
         return {"version": version, "model_path": model_path, "seconds": round(seconds, 4), "failed_backends": failed}
 
+    async def _publish_adapter(self, version: int, model_path: str, batch_ids: list[str],
+                               results: dict[str, str]) -> dict[str, Any]:
+        """A LoRA adapter (`lora:<folder>`): loaded as `v{version}` on every backend while they keep generating
+        (no pause), committed, then routed to (gateway/adapters.py). A backend that cannot load it leaves the
+        rotation until it has, as with full weights."""
+        async with self._lock:
+            t0 = time.perf_counter()
+            backends = [b for b in self.pool.backends() if b.healthy]
+            errors = await self.adapters.load(version, model_path, backends)
+            failed = {bid: str(e) for bid, e in errors.items() if e is not None}
+            if backends and len(failed) >= len(backends):
+                raise ServiceUnavailable(f"no backend could load adapter {model_path}: {failed}", retry_after=10)
+            for b in backends:
+                if b.id in failed:
+                    self.pool.mark_failed(b, f"adapter load failed: {failed[b.id]}")
+            await self.leases.publish(version, model_path, batch_ids, results, failed)
+            evicted = self.adapters.committed(version, model_path)
+            seconds = time.perf_counter() - t0
+        self.metrics.publish_seconds.observe(seconds)
+        self.metrics.weight_version.set(version)
+        return {"version": version, "model_path": model_path, "seconds": round(seconds, 4), "failed_backends": failed,
+                "kind": "lora", "paused": False, "evicted_versions": evicted}
+
     async def sync_backend(self, backend: Backend) -> None:
         """Bring a backend to the current version, then put it in rotation (start, recovery, added).
 
@@ -68,7 +96,9 @@ class Publisher:
         that publish stored."""
         async with self._lock:
             version, path = await self.leases.current_weights()
-            if version != 0 and path is not None:
+            if version != 0 and path is not None and is_adapter(path):
+                await self.adapters.sync_backend(backend, version, path)  # base weights + adapters (gateway/adapters.py)
+            elif version != 0 and path is not None:
                 info = await backend.client.model_info()
                 if str(info.get("weight_version")) != str(version):
                     log.info("loading version %d into backend %s", version, backend.url)

@@ -50,7 +50,7 @@ class PublishBody(Strict):
     def _absolute(cls, v: str) -> str:
         # Each backend resolves the path on its own machine: only an absolute path means the same folder to
         # all of them. Checked here, before every backend is paused for a load that can only fail.
-        if not v.startswith("/"):
+        if not v.removeprefix("lora:").startswith("/"):  # lora:/abs/folder: a LoRA adapter (gateway/adapters.py)
             raise ValueError(f"must be an absolute path on the inference servers, got {v!r}")
         return v
 

@@ -77,6 +77,8 @@ class FakeSGLang:
         skip_tokenizer_init: bool = False,
         legacy: bool = False,
         seed: int = 0,
+        enable_lora: bool = False,
+        max_loaded_loras: int | None = None,
         port: int = 0,
     ) -> None:
         self.vocab = vocab
@@ -106,6 +108,10 @@ class FakeSGLang:
         self._gens: dict[str, Generation] = {}
         self._history: deque[list[int]] = deque(maxlen=256)
         self._draws = 0
+        self.enable_lora = enable_lora  # LoRA as SGLang 0.5.23 serves it (docs/sglang-contract.md "LoRA adapters")
+        self.max_loaded_loras = max_loaded_loras
+        self.loras: dict[str, str] = {}  # name -> path, least recently used first
+        self._lora_of: dict[str, str] = {}  # rid -> the adapter it runs on (an unload waits for them)
         info = "/get_model_info" if legacy else "/model_info"
         server = "/get_server_info" if legacy else "/server_info"
         self._app = Starlette(
@@ -115,6 +121,8 @@ class FakeSGLang:
                 Route("/pause_generation", self._pause, methods=["POST"]),
                 Route("/continue_generation", self._continue, methods=["POST"]),
                 Route("/update_weights_from_disk", self._update_weights, methods=["POST"]),
+                Route("/load_lora_adapter", self._load_lora, methods=["POST"]),
+                Route("/unload_lora_adapter", self._unload_lora, methods=["POST"]),
                 Route("/flush_cache", self._flush_cache, methods=["GET", "POST"]),
                 Route(info, self._model_info, methods=["GET"]),
                 Route(server, self._server_info, methods=["GET"]),
@@ -184,6 +192,14 @@ class FakeSGLang:
             error = grammar_error(payload.get("sampling_params") or {})
         if error is not None:
             return error
+        lora = payload.get("lora_path")
+        if lora is not None and (not self.enable_lora or lora not in self.loras):
+            message = (f"The following requested LoRA adapters are not loaded: {lora}\nLoaded adapters: "
+                       f"{list(self.loras)}." if self.enable_lora else "LoRA is not enabled.")
+            return JSONResponse({"error": {"message": message}}, 400)
+        if lora is not None:
+            self.loras[lora] = self.loras.pop(lora)  # a use (LRU)
+            self._lora_of[str(payload.get("rid"))] = lora
         ids = payload["input_ids"]
         sp = payload.get("sampling_params") or {}
         n = sp.get("n") or 1
@@ -344,6 +360,35 @@ class FakeSGLang:
             return Response(text, status_code=400)
         self._history.clear()
         return Response("Cache flushed.\nPlease check backend logs for more details.")
+
+    def _lora_result(self, error: str | None = None) -> Response:
+        body = {"success": error is None, "error_message": error or "", "loaded_adapters": dict(self.loras)}
+        return JSONResponse(body, 200 if error is None else 400)
+
+    async def _load_lora(self, request: Request) -> Response:
+        body = await self._json(request)
+        name, path = body.get("lora_name") or "", body.get("lora_path") or ""
+        if not self.enable_lora:
+            return self._lora_result("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if name in self.loras:
+            return self._lora_result(f"Failed to load LoRA adapter {name} because it is already loaded")
+        if not await asyncio.to_thread(os.path.exists, os.path.join(path, "adapter_config.json")):
+            return self._lora_result(f"Failed to load LoRA adapter {name}: no adapter_config.json in {path!r}")
+        await asyncio.sleep(self.load_delay)
+        self.loras[name] = path
+        while self.max_loaded_loras is not None and len(self.loras) > self.max_loaded_loras:
+            self.loras.pop(next(iter(self.loras)))  # SGLang unloads the least recently used one
+        return self._lora_result()
+
+    async def _unload_lora(self, request: Request) -> Response:
+        name = (await self._json(request)).get("lora_name") or ""
+        if not self.enable_lora:
+            return self._lora_result("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if name not in self.loras:
+            return self._lora_result(f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.loras)}")
+        await _until(lambda: not any(self._lora_of.get(rid) == name for rid in self._gens))
+        del self.loras[name]
+        return self._lora_result()
 
     async def _model_info(self, request: Request) -> Response:
         return JSONResponse(
