@@ -103,22 +103,6 @@ def assert_engine_chain(stack: Stack, session_id: str, since: int, *, turns: int
     return record
 
 
-def turn_text(stack: Stack, ids: list[int]) -> str:
-    """Token ids as text, special tokens kept."""
-    from transformers import AutoTokenizer
-
-    return str(_tokenizer(stack.model, AutoTokenizer).decode(ids, skip_special_tokens=False))
-
-
-_TOKENIZERS: dict[Path, Any] = {}
-
-
-def _tokenizer(model: Path, auto: Any) -> Any:
-    if model not in _TOKENIZERS:
-        _TOKENIZERS[model] = auto.from_pretrained(model)
-    return _TOKENIZERS[model]
-
-
 @pytest.fixture(scope="session")
 def tuned_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = getattr(request.config, "cache", None)

@@ -11,7 +11,8 @@ The random tiny model never calls a tool or thinks, so the client tests fine-tun
 
 The tool schema is drawn from the shapes the three SDKs send (OpenAI's function tool as written, the
 OpenAI Agents SDK's `@function_tool` schema with titles and `additionalProperties`), so the model calls the
-tool whichever client rendered it. The result is cached by a hash of what determines it, so a rerun reuses it.
+tool whichever client rendered it. The result is cached by a hash of the data, the SFT options and the tiny
+model's source (not the trainer's code: delete the cache folder after changing it), so a rerun reuses it.
 """
 
 from __future__ import annotations

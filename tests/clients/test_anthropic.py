@@ -147,3 +147,74 @@ def test_thinking_block_with_signature_keeps_the_chain(stack: Stack) -> None:
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
     assert len(stack.session(s.id)["turns"]) == 2  # nothing generated, nothing stored
     assert stack.proxy.generate_records(since)[2:] == []
+
+
+def test_streamed_thinking_and_tool_use_round_trip(stack: Stack) -> None:
+    """Both steps streamed with `messages.stream`: the thinking block's streamed signature verifies when the
+    final message's blocks are sent back, and the second turn extends the first."""
+    s, since = stack.new_session(), stack.proxy.mark()
+    request: dict[str, Any] = {"model": "policy", "max_tokens": 2048, "thinking": THINKING, "system": SYSTEM,
+                               "tools": TOOLS}
+    with client(s).messages.stream(**request, messages=[{"role": "user", "content": QUESTION}]) as stream:
+        first_events = [e for e in stream if e.type in RAW]
+        first = stream.get_final_message()
+    assert fold_events(first_events)["content"] == blocks(first)
+    assert [b.type for b in first.content] == ["thinking", "tool_use"] and first.stop_reason == "tool_use"
+    use = first.content[1]
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.content},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                              "content": calculate(str(use.input["expression"]))}]}]
+    with client(s).messages.stream(**request, messages=messages) as stream:
+        second_events = [e for e in stream if e.type in RAW]
+        second = stream.get_final_message()
+    assert fold_events(second_events)["content"] == blocks(second) == [{"type": "text", "text": ANSWER}]
+    assert second.stop_reason == "end_turn"
+    assert_engine_chain(stack, s.id, since, turns=2)
+
+
+RAW = ("message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
+       "message_stop", "ping")
+UNIT_TOOL = {"name": "set_unit", "description": "Set the temperature unit.", "input_schema": {
+    "type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["unit"], "additionalProperties": False}}
+
+
+def test_tool_choice_tool_forces_a_call(stack: Stack) -> None:
+    """`tool_choice: {"type": "tool"}` naming a tool the model was never taught: a grammar goes to the
+    engine and the tool_use block's input is valid for that tool's schema."""
+    import jsonschema
+
+    s, since = stack.new_session(), stack.proxy.mark()
+    r = client(s).messages.create(model="policy", max_tokens=128, system=SYSTEM, tools=[*TOOLS, UNIT_TOOL],
+                                  tool_choice={"type": "tool", "name": "set_unit"},
+                                  messages=[{"role": "user", "content": QUESTION}])
+    [sent] = stack.proxy.generate_records(since)
+    assert any(sent["sampling_params"].get(k) for k in ("json_schema", "regex", "ebnf", "structural_tag"))
+    assert r.stop_reason == "tool_use"
+    [use] = [b for b in r.content if b.type == "tool_use"]
+    assert use.name == "set_unit"
+    jsonschema.validate(use.input, UNIT_TOOL["input_schema"])
+    assert_engine_chain(stack, s.id, since, turns=1)
+
+
+def test_stop_sequence(stack: Stack) -> None:
+    """A stop sequence ends the reply where it appears; the text holds what came before it, and the stored
+    completion is still exactly the engine's ids."""
+    s, since = stack.new_session(), stack.proxy.mark()
+    r = client(s).messages.create(model="policy", max_tokens=64, stop_sequences=["help"],
+                                  messages=[{"role": "user", "content": "Good morning to you."}])
+    assert r.stop_reason == "stop_sequence" and r.stop_sequence == "help"
+    # The reply's text is stripped of surrounding whitespace, as on every route ("help" ends " help").
+    assert blocks(r) == [{"type": "text", "text": GREETING[: GREETING.index("help")].rstrip()}]
+    assert_engine_chain(stack, s.id, since, turns=1)
+
+
+def test_count_tokens_is_the_prompt_the_turn_stores(stack: Stack) -> None:
+    s, since = stack.new_session(), stack.proxy.mark()
+    request: dict[str, Any] = {"model": "policy", "system": SYSTEM, "tools": TOOLS,
+                               "messages": [{"role": "user", "content": QUESTION}]}
+    counted = client(s).messages.count_tokens(**request)
+    assert stack.proxy.generate_records(since) == []  # counting generates nothing
+    client(s).messages.create(**request, max_tokens=128)
+    [turn] = assert_engine_chain(stack, s.id, since, turns=1)["turns"]
+    assert counted.input_tokens == len(turn["prompt_ids"])
