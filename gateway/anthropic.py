@@ -277,7 +277,8 @@ def turn_request(body: CountTokensRequest, size: int, *, key: bytes, template_so
     req = TurnRequest(
         endpoint="messages", messages=chat_messages(body, key), tools=tools,
         asked=body.model_dump(exclude={"messages", "tools", "system"}, exclude_none=True, by_alias=True),
-        json_schema=json_schema, forced=forced, body_bytes=size, template_kwargs=thinking_kwargs(body.thinking, template_source),
+        json_schema=json_schema, forced=forced, body_bytes=size,
+        template_kwargs=thinking_kwargs(body.thinking, template_source),
     )
     if isinstance(body, MessagesRequest):
         req.max_tokens = body.max_tokens

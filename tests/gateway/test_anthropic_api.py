@@ -101,7 +101,7 @@ def test_two_step_tool_use_is_one_chain(gateway: Any, fake: Any, tokenizer: Any)
     [use] = first.content
     assert use.type == "tool_use" and use.name == "calculate" and use.input == {"expression": "37+48"}
     history += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "is_error": True,
                                               "content": [{"type": "text", "text": "85"}]}]}]
     second = _tool_step(c, history)
     assert second.stop_reason == "end_turn" and second.content[0].text == "It is 85."
@@ -110,6 +110,7 @@ def test_two_step_tool_use_is_one_chain(gateway: Any, fake: Any, tokenizer: Any)
     assert t1["reply"]["tool_calls"][0]["id"] == use.id
     assert_extends(t1, t2)
     assert t2["prompt_ids"] == fake.requests[-1]["input_ids"]
+    assert t2["request"]["messages"][-1] == {"role": "tool", "tool_call_id": use.id, "content": "85", "is_error": True}
     record = gateway.session(cred["session_id"])["tool_calls"]
     assert record[0]["id"] == use.id and record[0]["result"] == "85" and record[0]["result_turn_id"] == t2["id"]
 
