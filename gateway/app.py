@@ -191,6 +191,8 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
     app.include_router(viewer_keys.router)
     app.include_router(training_reports.router)
     viewer_auth.install(app)  # /ui/login, /ui/logout; a browser without a sign-in is sent there
+    from gateway.ui import install as install_viewer
+    install_viewer(app)  # the viewer's pages, their JSON and static files (docs/viewer.md)
     openapi.install(app)
     return app
 

@@ -1,0 +1,325 @@
+"""The /ui pages and the JSON they poll. Every handler asks `ui_caller` first: the admin and viewers see
+everything, a session key only its own session (403 elsewhere, as on the REST API)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.records import session_record, tool_calls
+from gateway.routes.common import json_response
+from gateway.store.store import Store, TurnRow
+from gateway.ui import overview as overview_data
+from gateway.ui import queries
+from gateway.ui.conversation import turn_views
+from gateway.ui.tokens import MAX_PAGE_TOKENS, PAGE_TOKENS, Chain, ChainCache, TokenText, page
+from gateway.viewer_auth import UiCaller, UiSignInRequired, ui_caller
+
+HERE = Path(__file__).parent
+STATIC_VERSION = str(max(int(p.stat().st_mtime) for p in (HERE / "static").iterdir()))
+HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    # No inline script and nothing from elsewhere: every asset ships in the package.
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+                               "img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; "
+                               "form-action 'self'; base-uri 'none'",
+}
+
+router = APIRouter(include_in_schema=False)
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return "–" if not math.isfinite(value) else f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def _when(epoch: float | None) -> str:
+    return "–" if epoch is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(epoch)) + " UTC"
+
+
+def _task_text(task: Any, limit: int = 160) -> str:
+    text = task if isinstance(task, str) else json.dumps(task, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
+                         trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+ENV.filters.update(fmt=_fmt, when=_when, task_text=_task_text,
+                   urlq=lambda d: urllib.parse.urlencode(d), tojson_attr=lambda v: json.dumps(v))
+ENV.globals["static_version"] = STATIC_VERSION
+
+
+def render(name: str, caller: UiCaller | None, http_status: int = 200, **ctx: Any) -> HTMLResponse:
+    html = ENV.get_template(name).render(caller=caller, **ctx)
+    return HTMLResponse(html, http_status, headers=HEADERS)
+
+
+async def _caller(request: Request) -> UiCaller:
+    return await ui_caller(request)
+
+
+def _error_page(e: GatewayError, caller: UiCaller | None) -> HTMLResponse:
+    return render("error.html", caller, e.status, page="error", status=e.status, message=e.message)
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return json_response(data, status, headers={"Cache-Control": "no-store"})
+
+
+def _chain_cache(request: Request) -> ChainCache:
+    cache: ChainCache | None = getattr(request.app.state, "ui_chains", None)
+    if cache is None:
+        cache = request.app.state.ui_chains = ChainCache()
+    return cache
+
+
+def _token_text(request: Request) -> TokenText:
+    text: TokenText | None = getattr(request.app.state, "ui_token_text", None)
+    if text is None:
+        template = getattr(request.app.state, "template", None)
+        text = request.app.state.ui_token_text = TokenText(getattr(template, "tokenizer", None))
+    return text
+
+
+async def _chains(request: Request, session: dict[str, Any], rows: list[TurnRow]) -> list[Chain]:
+    cache = _chain_cache(request)
+    key = (session["id"], len(rows))
+    chains = cache.get(key)
+    if chains is None:
+        settings = getattr(request.app.state, "settings", None)
+        from gateway.ui.tokens import build_chains
+
+        chains = build_chains(rows, session.get("reward"), float(getattr(settings, "gamma", 1.0)))
+        cache.put(key, chains)
+    return chains
+
+
+# --- pages -----------------------------------------------------------------------------------------
+
+
+@router.get("/ui")
+async def overview_page(request: Request) -> Response:
+    caller = await _caller(request)
+    try:
+        caller.require_run_wide()
+    except GatewayError as e:
+        return _error_page(e, caller)
+    return render("overview.html", caller, page="overview")
+
+
+@router.get("/ui/groups")
+async def groups_page(request: Request) -> Response:
+    caller = await _caller(request)
+    try:
+        caller.require_run_wide()
+        f, pg, limit = await _group_page(request)
+        total = await queries.count_groups(request.app.state.store.engine, f)
+        reasons = await queries.drop_reasons(request.app.state.store.engine)
+    except UiSignInRequired:
+        raise
+    except GatewayError as e:
+        return _error_page(e, caller)
+    name = "groups_rows.html" if request.query_params.get("fragment") == "1" else "groups.html"
+    return render(name, caller, page="groups", f=f, pg=pg, limit=limit, total=total, reasons=reasons,
+                  states=queries.STATES, sizes=queries.PAGE_SIZES, query=f.query_string())
+
+
+async def _group_page(request: Request) -> tuple[queries.GroupFilter, queries.GroupPage, int]:
+    q = request.query_params
+    f = queries.parse_filter(q)
+    try:
+        limit = int(q.get("limit") or 50)
+    except ValueError:
+        raise BadRequest("limit must be an integer", param="limit") from None
+    pg = await queries.list_groups(request.app.state.store.engine, f, limit=limit, after=q.get("after") or None,
+                                   before=q.get("before") or None, last=q.get("last") == "1")
+    return f, pg, limit
+
+
+@router.get("/ui/groups/{group_id}")
+async def group_page(request: Request, group_id: str) -> Response:
+    caller = await _caller(request)
+    try:
+        caller.require_run_wide()
+        data = await group_data(request, group_id)
+    except UiSignInRequired:
+        raise
+    except GatewayError as e:
+        return _error_page(e, caller)
+    name = "group_cards.html" if request.query_params.get("fragment") == "1" else "group.html"
+    return render(name, caller, page="group", g=data)
+
+
+@router.get("/ui/sessions/{session_id}")
+async def session_page(request: Request, session_id: str) -> Response:
+    caller = await _caller(request)
+    try:
+        caller.require_session(session_id)
+        store: Store = request.app.state.store
+        session, rows = await store.session(session_id)
+        group = await store.group(session["group_id"])
+        advantage = (await store.session_advantages([session_id])).get(session_id)
+        chains = await _chains(request, session, rows)
+    except UiSignInRequired:
+        raise
+    except GatewayError as e:
+        return _error_page(e, caller)
+    turns = turn_views(rows, tool_calls(rows))
+    fragment = request.query_params.get("fragment") == "1"
+    return render("session_turns.html" if fragment else "session.html", caller, page="session", s=session,
+                  group=group, advantage=advantage, turns=turns, chains=[c.summary() for c in chains],
+                  chain_of={sp.turn_id: c.leaf_id for c in chains for sp in c.spans})
+
+
+@router.get("/ui/search")
+async def search_page(request: Request) -> Response:
+    caller = await _caller(request)
+    text = (request.query_params.get("q") or "").strip()
+    try:
+        caller.require_run_wide()
+        if len(text) > queries.MAX_TEXT or "\x00" in text:
+            raise BadRequest(f"search text must be at most {queries.MAX_TEXT} characters, without NUL", param="q")
+        engine = request.app.state.store.engine
+        found = await queries.find_ids(engine, text) if text else {"sessions": [], "groups": []}
+        exact = [x for x in found["sessions"] if x["id"] == text] or [x for x in found["groups"] if x["id"] == text]
+        if exact:
+            kind = "sessions" if exact[0]["id"] in {x["id"] for x in found["sessions"]} else "groups"
+            return RedirectResponse(f"/ui/{kind}/{urllib.parse.quote(text)}", 303)
+        f = queries.GroupFilter(text=text) if text else None
+        pg = await queries.list_groups(engine, f, limit=25) if f else None
+    except UiSignInRequired:
+        raise
+    except GatewayError as e:
+        return _error_page(e, caller)
+    return render("search.html", caller, page="search", q=text, found=found, pg=pg)
+
+
+# --- JSON ------------------------------------------------------------------------------------------
+
+
+@router.get("/ui/api/overview")
+async def overview_json(request: Request) -> Response:
+    (await _caller(request)).require_run_wide()
+    return _json(await overview_data.overview(request.app.state))
+
+
+@router.get("/ui/api/groups")
+async def groups_json(request: Request) -> Response:
+    (await _caller(request)).require_run_wide()
+    f, pg, _ = await _group_page(request)
+    return _json({"object": "list", "data": pg.rows, "next": pg.next, "prev": pg.prev,
+                  "total": await queries.count_groups(request.app.state.store.engine, f)})
+
+
+@router.get("/ui/api/groups/{group_id}")
+async def group_json(request: Request, group_id: str) -> Response:
+    (await _caller(request)).require_run_wide()
+    return _json(await group_data(request, group_id))
+
+
+@router.get("/ui/api/sessions/{session_id}")
+async def session_json(request: Request, session_id: str) -> Response:
+    """The whole session as GET /v1/sessions/{id} gives it (the page's copy and export)."""
+    (await _caller(request)).require_session(session_id)
+    session, rows = await request.app.state.store.session(session_id)
+    response = _json(session_record(session, rows))
+    if request.query_params.get("download") == "1":
+        response.headers["Content-Disposition"] = f'attachment; filename="{session_id}.json"'
+    return response
+
+
+@router.get("/ui/api/sessions/{session_id}/summary")
+async def session_summary(request: Request, session_id: str) -> Response:
+    """What the session page polls: it reloads its turns when `turn_count` moved."""
+    (await _caller(request)).require_session(session_id)
+    auth = await request.app.state.store.session_auth(session_id=session_id)
+    if auth is None:
+        raise NotFound(f"no session {session_id}")
+    session, _ = await request.app.state.store.session(session_id)
+    return _json({k: session[k] for k in ("id", "state", "reward", "turn_count", "end_reason", "ended_at")})
+
+
+@router.get("/ui/api/sessions/{session_id}/turns/{turn_id}")
+async def turn_json(request: Request, session_id: str, turn_id: str) -> Response:
+    """One turn's messages and reply in full (the page shows long texts cut; this fills them in)."""
+    (await _caller(request)).require_session(session_id)
+    _, rows = await request.app.state.store.session(session_id)
+    for r in rows:
+        if r.id == turn_id:
+            return _json({"id": r.id, "seq": r.seq, "request": r.request, "reply": r.reply})
+    raise NotFound(f"no turn {turn_id} in session {session_id}")
+
+
+@router.get("/ui/api/sessions/{session_id}/tokens")
+async def tokens_json(request: Request, session_id: str) -> Response:
+    """One page of one chain's tokens: `chain=<leaf turn id>` or `turn=<turn id>` (the chain holding it, from
+    that turn's reply, or `turn=last`), `offset`, `limit` (default 2048, at most 8192)."""
+    (await _caller(request)).require_session(session_id)
+    q = request.query_params
+    try:
+        limit = int(q.get("limit") or PAGE_TOKENS)
+        offset = int(q["offset"]) if q.get("offset") else None
+    except ValueError:
+        raise BadRequest("offset and limit must be integers", param="offset") from None
+    if not 1 <= limit <= MAX_PAGE_TOKENS or (offset is not None and offset < 0):
+        raise BadRequest(f"limit must be 1..{MAX_PAGE_TOKENS} and offset >= 0", param="limit")
+    session, rows = await request.app.state.store.session(session_id)
+    chains = await _chains(request, session, rows)
+    if not chains:
+        raise NotFound(f"session {session_id} has no turns yet")
+    chain, start = _locate(chains, rows, q.get("chain"), q.get("turn"), limit)
+    if offset is None:
+        offset = start
+    if offset > len(chain.token_ids):
+        raise BadRequest(f"offset is past the chain's {len(chain.token_ids)} tokens", param="offset")
+    return _json(page(chain, _token_text(request), offset, limit))
+
+
+def _locate(chains: list[Chain], rows: list[TurnRow], leaf: str | None, turn: str | None,
+            limit: int) -> tuple[Chain, int]:
+    """The chain asked for and where its page starts: at a turn's reply (a little of its prompt before it)."""
+    if leaf:
+        for c in chains:
+            if c.leaf_id == leaf:
+                return c, 0
+        raise NotFound(f"no chain ending at turn {leaf}")
+    if turn:
+        turn_id = rows[-1].id if turn == "last" and rows else turn
+        for c in reversed(chains):
+            for sp in c.spans:
+                if sp.turn_id == turn_id:
+                    return c, max(0, min(sp.completion_start - 64, sp.end - limit))
+        raise NotFound(f"no turn {turn}")
+    return chains[0], 0
+
+
+async def group_data(request: Request, group_id: str) -> dict[str, Any]:
+    """A group with, per session: reward, advantage, turns, tokens, versions, tool calls, outcome."""
+    from gateway.ui.conversation import session_stats
+
+    store: Store = request.app.state.store
+    group = await store.group(group_id)
+    advantages = await store.group_advantages(group_id)
+    stats = await session_stats(store.engine, [s["id"] for s in group["sessions"]])
+    for s in group["sessions"]:
+        s["advantage"] = (advantages.get(s["id"]) or {}).get("advantage")
+        s.update(stats.get(s["id"], {}))
+    group.update(queries.reward_stats(group["sessions"]))
+    return group
