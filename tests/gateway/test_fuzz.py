@@ -124,7 +124,7 @@ class Fuzz:
             self.problems.extend(p + " " + where for p in stream_problems(path, r.text))
 
 
-STREAMED = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+STREAMED = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
 
 def stream_problems(path: str, text: str) -> list[str]:
@@ -158,6 +158,15 @@ def stream_problems(path: str, text: str) -> list[str]:
         if not events or events[-1].get("type") not in ("response.completed", "response.incomplete",
                                                         "response.failed"):
             problems.append("a Responses stream without its terminal event")
+    elif route == "/v1/messages":  # Anthropic's named events (docs/conformance-anthropic.md "Streaming")
+        names = [line[len("event: "):] for line in text.splitlines() if line.startswith("event: ")]
+        if names != [e.get("type") for e in events]:
+            problems.append("Messages events whose data type is not the event's name")
+        if not names or names[0] != "message_start" or names[-1] not in ("message_stop", "error"):
+            problems.append("a Messages stream not from message_start to message_stop (or error)")
+        for e in events:
+            if e.get("type") == "error" and set(e.get("error") or {}) != {"type", "message"}:
+                problems.append("a Messages error event not in Anthropic's shape")
     return problems
 
 
