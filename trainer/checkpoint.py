@@ -115,8 +115,10 @@ def save_checkpoint(
     step: int,
     version: int,
     keep: int,
+    trainable_only: bool = False,
 ) -> Path:
-    """DCP save of model + optimizer, then {step, version}; renamed into place by rank 0. Collective."""
+    """DCP save of model + optimizer, then {step, version}; renamed into place by rank 0. Collective.
+    `trainable_only`: leave out frozen parameters (a LoRA run saves the adapter, not the base)."""
     root = Path(root).resolve()
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}"
@@ -124,7 +126,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=trainable_only))
+    model_sd = _trainable(model, model_sd) if trainable_only else model_sd
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     if _rank() == 0:
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "version": version}))
@@ -139,16 +142,26 @@ def save_checkpoint(
     return final
 
 
+def _trainable(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """Only the trainable parameters' entries (ignore_frozen_params keeps a tied, frozen lm_head: a vocabulary-sized
+    tensor a LoRA checkpoint must not carry)."""
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in names}
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     done = sorted(p for p in Path(root).glob("step_*") if (p / "trainer_state.json").is_file())
     return done[-1] if done else None
 
 
-def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path) -> tuple[int, int]:
+def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path,
+                    trainable_only: bool = False) -> tuple[int, int]:
     """Restore model + optimizer in place (any world size: DCP reshards); returns (step, version)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    opts = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
+    model_sd = _trainable(model, model_sd) if trainable_only else model_sd
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))  # fills both in place
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
     meta = json.loads((Path(path) / "trainer_state.json").read_text())
     return int(meta["step"]), int(meta["version"])
 

@@ -102,6 +102,16 @@ class TrainConfig:
     keep_weights: int = 3
     """Published HF weight folders kept on disk (oldest removed; the gateway may still read the last)."""
 
+    # --- LoRA (trainer/lora.py) ---
+    lora_rank: int = 0
+    """Train a LoRA adapter of this rank instead of the full weights (0 = full weights). The base stays frozen and
+    each publish is the adapter folder only, loaded by the servers next to the base (docs/scaling.md)."""
+    lora_alpha: int = 0
+    """LoRA alpha (the update is scaled by alpha / rank); 0 = 2 x rank."""
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
+    """Comma-separated names of the linear layers the adapter targets (the servers' --lora-target-modules must
+    include them)."""
+
     # --- SFT ---
     sft_data: str = ""
     """SFT: a JSONL file of {"messages": [...]} chats; empty = recorded sessions from GET /v1/sessions."""
@@ -146,6 +156,10 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lora_rank < 0 or self.lora_alpha < 0:
+            raise ValueError("lora_rank and lora_alpha must be >= 0")
+        if self.lora_rank and not [t for t in self.lora_targets.split(",") if t.strip()]:
+            raise ValueError("lora_targets names no layer")
         if not 0 <= self.sft_stop_at_match <= 1:
             raise ValueError(f"sft_stop_at_match must be in [0, 1], got {self.sft_stop_at_match}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):

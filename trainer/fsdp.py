@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -93,7 +94,8 @@ def shard_model(model: nn.Module, info: DistInfo, *, wrap_one_cpu_rank: bool = F
     return model
 
 
-def load_sharded_model(source: str, info: DistInfo, trainable: bool = True) -> nn.Module:
+def load_sharded_model(source: str, info: DistInfo, trainable: bool = True,
+                       prepare: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
     """HF causal LM from `source` in float32 (master weights), FSDP2-sharded over the mesh.
     Every rank reads the full checkpoint before sharding: fine up to a few billion parameters."""
     from transformers import AutoModelForCausalLM
@@ -104,6 +106,8 @@ def load_sharded_model(source: str, info: DistInfo, trainable: bool = True) -> n
         model.train()
     else:
         model.eval().requires_grad_(False)
+    if prepare is not None:  # e.g. a LoRA adapter injected before the wrap (trainer/lora.py)
+        model = prepare(model)  # type: ignore[assignment]
     return shard_model(model, info)
 
 

@@ -40,6 +40,7 @@ from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, pr
 from trainer.client import GatewayClient, LeaseRenewer, StepReporter
 from trainer.config import TrainConfig, load_config, parse_overrides
 from trainer.fsdp import DistInfo, broadcast, init_distributed, load_sharded_model, shutdown
+from trainer.lora import export_adapter, inject, load_adapter, publish_path
 from trainer.loss import PPOParams
 from trainer.metrics import MetricsSink
 from trainer.pipeline import GatewayPipeline
@@ -111,9 +112,9 @@ def commit(
     """Publish `version`. If the step is durable, every held batch is acked inside the publish (one
     transaction with the version bump). Returns what is still held."""
     if not durable or not held:
-        client.publish(version, str(path), None, {})
+        client.publish(version, publish_path(path), None, {})
         return held
-    client.publish(version, str(path), list(held), {g: "trained" for ids in held.values() for g in ids})
+    client.publish(version, publish_path(path), list(held), {g: "trained" for ids in held.values() for g in ids})
     for batch_id in held:
         renewer.release(batch_id)
     return {}
@@ -166,15 +167,18 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
         # ---------------- starting weights: the served version, else --model; then our last checkpoint
         gw_version, gw_path = on_rank0(info, "reading GET /v1/weights", GatewayClient.current_weights, client)
         source = gw_path if gw_path and Path(gw_path).is_dir() else cfg.model
-        model = load_sharded_model(source, info)
+        # LoRA: the adapter is injected before the wrap; the base is --model (a served adapter is no model folder)
+        model = load_sharded_model(source, info, prepare=(lambda m: inject(m, cfg, source)) if cfg.lora_rank else None)
         ref_source = cfg.ref_model or cfg.model or source  # not the latest published weights after a restart
         ref_model = load_sharded_model(ref_source, info, trainable=False) if cfg.kl_coef > 0 else None
         optimizer = make_optimizer(model, cfg)
         step, version = 0, gw_version
         ckpt = latest_checkpoint(out / "checkpoints")
         if ckpt is not None:
-            step, ckpt_version = load_checkpoint(model, optimizer, ckpt)
+            step, ckpt_version = load_checkpoint(model, optimizer, ckpt, trainable_only=bool(cfg.lora_rank))
             version = max(ckpt_version, gw_version)
+        elif cfg.lora_rank and gw_path and gw_path.startswith("lora:"):
+            load_adapter(model, gw_path.removeprefix("lora:"))  # no checkpoint: go on from the served adapter
         params = PPOParams(
             cfg.clip_low, cfg.clip_high, cfg.behaviour_weight_cap, cfg.behaviour_weight_cap_mode, cfg.kl_coef
         )
@@ -232,9 +236,13 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
                     step=step,
                     version=version,
                     keep=cfg.keep_checkpoints,
+                    trainable_only=bool(cfg.lora_rank),
                 )
             t2 = time.perf_counter()
-            path = export_hf(model, source, out / "weights" / f"v{version:06d}")
+            if cfg.lora_rank:  # only the adapter is published (trainer/lora.py)
+                path = export_adapter(model, cfg, source, out / "adapters" / f"v{version:06d}")
+            else:
+                path = export_hf(model, source, out / "weights" / f"v{version:06d}")
             t3 = time.perf_counter()
             for batch_id, group_ids in batch.leases.items():
                 held.setdefault(batch_id, []).extend(group_ids)
@@ -247,6 +255,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
                 publish_wait += on_rank0(info, f"publishing version {version}", _wait_publish, pipe)
             if info.is_main:
                 prune_weights(out / "weights", cfg.keep_weights)
+                prune_weights(out / "adapters", cfg.keep_weights)
 
             # ---------------- what to look at
             rewards = batch.rewards
