@@ -3,6 +3,8 @@ context but out of the loss, unless `train_constrained` asks for them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.samples import session_sequences
 from gateway.store.store import TurnRow
 from gateway.wire import pack
@@ -38,3 +40,31 @@ def test_train_constrained_puts_it_back() -> None:
 
 def test_a_session_of_constrained_turns_only_gives_no_sample() -> None:
     assert session_sequences([turn("c", None, [1], [5], constrained=True)], 1.0, 1.0) == []
+
+
+def test_migration_0002_matches_the_model(db_url: str) -> None:
+    """Alembic finds nothing to change for turns.constrained between the migrated store and the models."""
+    import asyncio
+
+    import sqlalchemy as sa
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from gateway.store.db import create_engine
+    from gateway.store.models import Base
+
+    def compare(conn: Any) -> tuple[list[Any], list[str]]:
+        columns = [c["name"] for c in sa.inspect(conn).get_columns("turns")]
+        return compare_metadata(MigrationContext.configure(conn), Base.metadata), columns
+
+    async def run() -> tuple[list[Any], list[str]]:
+        engine = create_engine(db_url)
+        try:
+            async with engine.connect() as conn:
+                return await conn.run_sync(compare)  # type: ignore[no-any-return]
+        finally:
+            await engine.dispose()
+
+    diff, columns = asyncio.run(run())
+    assert "constrained" in columns
+    assert [d for d in diff if "constrained" in repr(d)] == []
