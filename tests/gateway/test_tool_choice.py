@@ -165,3 +165,27 @@ def test_constrained_tokens_are_out_of_the_loss_unless_asked(
             assert tokens == turns[1]["prompt_ids"] + forced
             assert trained == (free + forced if body else free)
         gateway.admin.post(f"/v1/batches/{batch['batch_id']}/ack", json={"results": {}})
+
+
+def test_streamed_required_call(gateway: LiveGateway, fake: FakeSGLang, tokenizer: Any) -> None:
+    _, oa = client(gateway)
+    fake.script([ids_of(tokenizer, CALL)])
+    chunks = list(oa.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+                                             stream=True))
+    assert fake.requests[-1]["stream"] is True and "structural_tag" in sent(fake)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [tc.function.name for tc in calls] == ["get_weather"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_responses_named_function(gateway: LiveGateway, fake: FakeSGLang, tokenizer: Any) -> None:
+    """The Responses API's {"type": "function", "name"} goes through the same grammar."""
+    _, oa = client(gateway)
+    fake.script([ids_of(tokenizer, CALL)])
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    r = oa.responses.create(model="m", input="weather?", tools=[tool, {"type": "function", "name": "ping"}],
+                            tool_choice={"type": "function", "name": "get_weather"}, parallel_tool_calls=False)
+    fmt = json.loads(sent(fake)["structural_tag"])["format"]
+    assert fmt["stop_after_first"] is True
+    assert fmt["tags"] == [hermes_tag("get_weather", WEATHER["function"]["parameters"])]
+    assert [o.name for o in r.output if o.type == "function_call"] == ["get_weather"]
