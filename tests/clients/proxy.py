@@ -21,6 +21,8 @@ class RecordingProxy:
         self.records: list[dict[str, Any]] = []
         self.url = ""
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="recording-proxy", daemon=True)
         self._runner: Any = None
@@ -45,14 +47,15 @@ class RecordingProxy:
         if not self._thread.is_alive():
             self._loop.close()
 
-    def generate_records(self, since: int = 0) -> list[dict[str, Any]]:
-        """The /generate exchanges recorded so far (from index `since`)."""
-        with self._lock:
+    def generate_records(self, since: int = 0, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """The /generate exchanges recorded so far (from index `since`), once none is in flight: a streamed
+        reply reaches the client before the proxy has read the engine's end of stream and recorded it."""
+        with self._idle:
+            assert self._idle.wait_for(lambda: self._in_flight == 0, timeout), "a /generate still in flight"
             return list(self.records[since:])
 
     def mark(self) -> int:
-        with self._lock:
-            return len(self.records)
+        return len(self.generate_records())
 
     async def _start(self) -> None:
         from aiohttp import ClientSession, ClientTimeout, web
@@ -74,6 +77,19 @@ class RecordingProxy:
             await self._session.close()
 
     async def _forward(self, request: Any) -> Any:
+        generate = request.path == "/generate" and request.method == "POST"
+        if generate:
+            with self._idle:
+                self._in_flight += 1
+        try:
+            return await self._pass(request, generate)
+        finally:
+            if generate:
+                with self._idle:
+                    self._in_flight -= 1
+                    self._idle.notify_all()
+
+    async def _pass(self, request: Any, generate: bool) -> Any:
         from aiohttp import web
 
         body = await request.read()
@@ -81,9 +97,10 @@ class RecordingProxy:
         async with self._session.request(request.method, self.target + request.path_qs, data=body,
                                          headers=headers) as up:
             passed = {k: v for k, v in up.headers.items() if k.lower() == "content-type"}
-            generate = request.path == "/generate" and request.method == "POST" and up.status == 200
-            req = json.loads(body) if generate else {}
-            if generate and req.get("stream"):
+            if not (generate and up.status == 200):
+                return web.Response(body=await up.read(), status=up.status, headers=passed)
+            req = json.loads(body)
+            if req.get("stream"):
                 resp = web.StreamResponse(status=up.status, headers=passed)
                 await resp.prepare(request)
                 raw = b""
@@ -94,9 +111,8 @@ class RecordingProxy:
                 self._record(req, last_sse_state(raw), stream=True)
                 return resp
             data = await up.read()
-            if generate:
-                obj = json.loads(data)
-                self._record(req, (obj["output_ids"], obj["meta_info"].get("finish_reason")), stream=False)
+            obj = json.loads(data)
+            self._record(req, (obj["output_ids"], obj["meta_info"].get("finish_reason")), stream=False)
             return web.Response(body=data, status=up.status, headers=passed)
 
     def _record(self, req: dict[str, Any], result: tuple[list[int], Any], *, stream: bool) -> None:

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 QUESTION = "What is 12+7?"
 
 
-async def _run_streamed(s: ClientSession, calls: list[str]) -> tuple[Any, list[Any]]:
+async def _run_streamed(s: ClientSession, calls: list[str], **settings: Any) -> tuple[Any, list[Any]]:
     from openai import AsyncOpenAI
 
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
@@ -35,7 +35,7 @@ async def _run_streamed(s: ClientSession, calls: list[str]) -> tuple[Any, list[A
     try:
         agent = Agent(name="calculator", instructions=model.SYSTEM, tools=[calculate],
                       model=OpenAIResponsesModel(model="policy", openai_client=client),
-                      model_settings=ModelSettings(max_tokens=128))
+                      model_settings=ModelSettings(max_tokens=128, **settings))
         result = Runner.run_streamed(agent, input=QUESTION, max_turns=4)
         events = [e async for e in result.stream_events()]
     finally:
@@ -91,3 +91,19 @@ def test_run_streamed_with_a_function_tool(stack: Stack) -> None:
         assert completed.usage.input_tokens == len(turn["prompt_ids"])
     [call] = record["tool_calls"]
     assert call["name"] == "calculate" and call["result"] == model.calculate(calls[0])
+
+
+def test_run_streamed_with_tool_choice_required(stack: Stack) -> None:
+    """`ModelSettings(tool_choice="required")`: the first response is decoded under a grammar (a call, no
+    reasoning: the grammar starts at the call), the SDK then resets the choice and the model answers (its
+    answer drifts a little: it was trained on calls after a thought)."""
+    s, since = stack.new_session(), stack.proxy.mark()
+    calls: list[str] = []
+    result, events = asyncio.run(asyncio.wait_for(_run_streamed(s, calls, tool_choice="required"), timeout=600))
+    assert len(calls) == 1 and model.ANSWER in result.final_output
+    items = [e.name for e in events if e.type == "run_item_stream_event"]
+    assert items == ["tool_called", "tool_output", "message_output_created"], items
+    forced, free = stack.proxy.generate_records(since)
+    assert forced["sampling_params"].get("structural_tag"), forced["sampling_params"]
+    assert not free["sampling_params"].get("structural_tag"), free["sampling_params"]
+    assert_engine_chain(stack, s.id, since, turns=2)

@@ -197,6 +197,26 @@ def test_tool_choice_tool_forces_a_call(stack: Stack) -> None:
     assert_engine_chain(stack, s.id, since, turns=1)
 
 
+def test_tool_choice_any_streamed(stack: Stack) -> None:
+    """`tool_choice: {"type": "any", "disable_parallel_tool_use": true}` streamed: one tool_use block, its
+    input valid for its tool's schema, decoded under a grammar."""
+    import jsonschema
+
+    s, since = stack.new_session(), stack.proxy.mark()
+    events = list(client(s).messages.create(
+        model="policy", max_tokens=128, system=SYSTEM, tools=TOOLS, stream=True,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": "Good morning to you."}]))
+    folded = fold_events(events)
+    [sent] = stack.proxy.generate_records(since)
+    assert sent["stream"] and sent["sampling_params"].get("structural_tag")
+    assert folded["stop_reason"] == "tool_use"
+    [use] = [b for b in folded["content"] if b["type"] == "tool_use"]
+    assert use["name"] == TOOL_NAME
+    jsonschema.validate(use["input"], TOOL_SCHEMA)
+    assert_engine_chain(stack, s.id, since, turns=1)
+
+
 def test_stop_sequence(stack: Stack) -> None:
     """A stop sequence ends the reply where it appears; the text holds what came before it, and the stored
     completion is still exactly the engine's ids."""

@@ -74,3 +74,21 @@ def test_auto_never_calls_set_unit(stack: Stack) -> None:
     assert not any(sent["sampling_params"].get(k) for k in GRAMMAR_KEYS), sent["sampling_params"]
     assert "set_unit" not in [c.function.name for c in r.choices[0].message.tool_calls or []]
     assert_engine_chain(stack, s.id, since, turns=1)
+
+
+def test_tool_choice_required_streamed(stack: Stack) -> None:
+    """The same forced call streamed: the tool call arrives in the chunks, valid for the schema."""
+    s, since = stack.new_session(), stack.proxy.mark()
+    chunks = list(client(s).chat.completions.create(
+        model="policy", max_tokens=128, tools=[model.openai_tool(), SET_UNIT], stream=True,
+        tool_choice={"type": "function", "function": {"name": "set_unit"}},
+        messages=[{"role": "system", "content": model.SYSTEM}, {"role": "user", "content": "What is 12+7?"}]))
+    [sent] = stack.proxy.generate_records(since)
+    assert sent["stream"] and sent["sampling_params"].get("structural_tag")
+    calls = [tc for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or []]
+    assert [tc.function.name for tc in calls if tc.function.name] == ["set_unit"]
+    arguments = "".join(tc.function.arguments or "" for tc in calls)
+    jsonschema.validate(json.loads(arguments), UNIT_SCHEMA)
+    assert [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["tool_calls"]
+    [turn] = assert_engine_chain(stack, s.id, since, turns=1)["turns"]
+    assert turn["id"] == chunks[0].id
