@@ -39,6 +39,19 @@ def _lora_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-paths", nargs="+", default=[], metavar="NAME=PATH", help="adapters loaded at start")
 
 
+def _lora_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """SGLang's LoRA flags on `rollway engine` (engine/lora.py; imported lazily: the CLI starts without torch)."""
+    g = parser.add_argument_group("LoRA adapters (SGLang's flags)")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)")
+    g.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME",
+                   help="linears adapters may target (default q_proj k_proj v_proj o_proj; 'all')")
+    g.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a higher rank")
+    g.add_argument("--max-loaded-loras", type=int, default=None,
+                   help="adapters kept loaded; a load past it unloads the least recently used one")
+    g.add_argument("--max-loras-per-batch", type=int, default=8, help="accepted for SGLang compatibility")
+    g.add_argument("--lora-paths", nargs="+", default=[], metavar="NAME=PATH", help="adapters loaded at start")
+
+
 def _init_model(args: argparse.Namespace) -> int:
     if args.arch is None:
         if args.tokenizer is not None:
@@ -275,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--minutes", type=float, default=8.0, help="time budget for the RL phase")
     d.add_argument("--steps", type=int, default=0, help="stop after this many trainer steps (0 = time budget)")
     d.add_argument("--nproc", type=int, default=1, help="trainer processes (CPU ranks)")
+    d.add_argument("--lora-rank", type=int, default=0,
+                   help="RL-train a LoRA adapter of this rank (published as adapters, pinned sessions) instead of "
+                        "the full weights")
     d.add_argument("--sft-steps", type=int, default=SFT_MAX_STEPS,
                    help="at most this many SFT warm-up steps (it stops sooner on its target match)")
     d.add_argument("--eval-tasks", type=int, default=EVAL_TASKS, help="held-out tasks evaluated before and after RL")
