@@ -33,6 +33,7 @@ class ClientSession:
     """One session's credentials as `POST /v1/groups` hands them out."""
 
     id: str
+    group_id: str
     api_key: str
     base_url: str
     """OpenAI base URL (`.../v1`)."""
@@ -61,9 +62,10 @@ class Stack:
             r = http.post("/v1/groups", json={"task": {"client_test": True}, "n_samples": 1,
                                               "sampling": sampling or {"temperature": 0.0}})
             assert r.status_code == 201, r.text
-        s = r.json()["sessions"][0]
+        group = r.json()
+        s = group["sessions"][0]
         named = s.get("anthropic_base_url")
-        return ClientSession(id=s["session_id"], api_key=s["api_key"], base_url=s["base_url"],
+        return ClientSession(id=s["session_id"], group_id=group["group_id"], api_key=s["api_key"], base_url=s["base_url"],
                              session_base_url=s["session_base_url"],
                              anthropic_base_url=named or s["base_url"].removesuffix("/").removesuffix("/v1"),
                              raw=s)

@@ -92,3 +92,43 @@ def test_tool_choice_required_streamed(stack: Stack) -> None:
     assert [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["tool_calls"]
     [turn] = assert_engine_chain(stack, s.id, since, turns=1)["turns"]
     assert turn["id"] == chunks[0].id
+
+
+def test_constrained_turn_is_out_of_the_loss(stack: Stack) -> None:
+    """RL correctness: tokens sampled under a grammar are not samples of the policy, so the leased sample
+    of a session whose first turn was forced has loss mask 0 on that turn's completion and 1 on the free
+    answer after the tool's result."""
+    from rollway.wire import decode_array
+
+    s, since = stack.new_session(), stack.proxy.mark()
+    messages: list[dict[str, Any]] = [{"role": "system", "content": model.SYSTEM},
+                                      {"role": "user", "content": "What is 12+7?"}]
+    first = client(s).chat.completions.create(model="policy", max_tokens=128, tools=[model.openai_tool()],
+                                              tool_choice="required", messages=messages)
+    [call] = first.choices[0].message.tool_calls
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id,
+                  "content": model.calculate(json.loads(call.function.arguments)["expression"])}]
+    second = client(s).chat.completions.create(model="policy", max_tokens=128, tools=[model.openai_tool()],
+                                               messages=messages)
+    assert second.choices[0].finish_reason == "stop" and not second.choices[0].message.tool_calls
+    forced, free = sorted(assert_engine_chain(stack, s.id, since, turns=2)["turns"], key=lambda t: t["seq"])
+
+    with stack.admin() as http:
+        r = http.post(f"/v1/sessions/{s.id}/reward", json={"reward": 1.0, "finish": True})
+        assert r.status_code == 200, r.text
+        lease = http.post("/v1/batches", json={"max_groups": 64, "wait_seconds": 10})
+        assert lease.status_code == 200, lease.text
+        batch = lease.json()
+        try:
+            [group] = [g for g in batch["groups"] if g["group_id"] == s.group_id]
+            [sample] = group["samples"]
+            ids, mask = decode_array(sample["token_ids"]), decode_array(sample["loss_mask"])
+        finally:
+            if batch["batch_id"]:
+                http.post(f"/v1/batches/{batch['batch_id']}/ack", json={})
+    assert ids == free["prompt_ids"] + free["completion_ids"]
+    start, end = len(forced["prompt_ids"]), len(forced["prompt_ids"]) + len(forced["completion_ids"])
+    assert ids[start:end] == forced["completion_ids"] and set(mask[start:end]) == {0}
+    assert set(mask[len(free["prompt_ids"]):]) == {1}
+    assert sum(mask) == len(free["completion_ids"])
