@@ -40,6 +40,9 @@ class Group(Base):
     batch_id: Mapped[str | None] = mapped_column(String(64), index=True)
     trained_version: Mapped[int | None] = mapped_column(Integer)
 
+    # The viewer's groups page: its order and keyset cursor (migration 0004).
+    __table_args__ = (Index("ix_groups_created_at_id", "created_at", "id"),)
+
 
 class Session(Base):
     __tablename__ = "sessions"
@@ -56,6 +59,9 @@ class Session(Base):
     created_at: Mapped[float] = mapped_column(Float)
     last_active_at: Mapped[float] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
+
+    # The viewer's mean-reward filter and reward strips read a group's rewards from this index alone (0004).
+    __table_args__ = (Index("ix_sessions_group_id_reward", "group_id", "reward"),)
 
 
 class Turn(Base):

@@ -8,10 +8,14 @@ under the reason the chain broke.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
-from sqlalchemy import Table, func, select
+import orjson
+from sqlalchemy import Table, Text, func, literal, select, text
+from sqlalchemy import cast as sql_cast
 
+from gateway.records import _looks_failed
 from gateway.store.db import DbEngine
 from gateway.store.models import Turn
 from gateway.store.store import TurnRow
@@ -57,34 +61,115 @@ def _versions(blob: bytes) -> list[int]:
     return unpack(blob, "int32")  # type: ignore[return-value]
 
 
-def turn_views(rows: list[TurnRow], calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+@dataclass(slots=True)
+class LightTurn:
+    """A turn without its token arrays or its request's history, for the conversation: what the page shows of
+    a 200-turn session without reading its megabytes of tokens (the token view loads those on demand)."""
+
+    id: str
+    seq: int
+    parent_id: str | None
+    reply: dict[str, Any]
+    versions: bytes
+    temperature: float
+    finish_reason: str
+    continuity: str
+    chain_reason: str | None
+    client_disconnected: bool
+    reward: float | None
+    prompt_len: int
+    timings: dict[str, Any]
+    completion_len: int = 0
+    sampling: dict[str, Any] = field(default_factory=dict)
+    asked: dict[str, Any] = field(default_factory=dict)
+    first_new: int = 0
+    """Index in its request's messages of the first one its parent's request and reply did not have."""
+    new_messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+# Each request holds the whole history the agent replayed: a long session's requests are O(turns²) of JSON
+# (4.3 MB for the benchmark's 200 turns; parsing it all took 0.25 s). The database hands over only what is
+# new in each turn, the messages past its parent's count, taking the arrays apart in C.
+_TAIL_SQL = {  # each parent's count computed once (MATERIALIZED), not once per element: 0.33 -> 0.05 s
+    "sqlite": """WITH x AS MATERIALIZED (
+            SELECT t.seq, t.request, COALESCE(json_array_length(p.request, '$.messages') + 1, 0) AS first
+            FROM turns t LEFT JOIN turns p ON p.id = t.parent_id WHERE t.session_id = :sid)
+        SELECT x.seq, j.key, j.value FROM x, json_each(x.request, '$.messages') j WHERE j.key >= x.first
+        ORDER BY x.seq, j.key""",
+    "postgresql": """WITH x AS MATERIALIZED (
+            SELECT t.seq, CASE WHEN json_typeof(t.request->'messages') = 'array' THEN t.request->'messages' END AS m,
+                   COALESCE(CASE WHEN json_typeof(p.request->'messages') = 'array'
+                                 THEN json_array_length(p.request->'messages') END + 1, 0) AS first
+            FROM turns t LEFT JOIN turns p ON p.id = t.parent_id WHERE t.session_id = :sid)
+        SELECT x.seq, j.idx - 1, j.value::text FROM x CROSS JOIN LATERAL json_array_elements(x.m)
+            WITH ORDINALITY AS j(value, idx)
+        WHERE j.idx - 1 >= x.first ORDER BY 1, 2""",
+}
+
+
+async def light_turns(engine: DbEngine, session_id: str) -> list[LightTurn]:
+    names = [f.name for f in fields(LightTurn)][:13]
+    req = T.c.request
+    extract = ((func.json_extract(req, "$.sampling"), func.json_extract(req, "$.asked"))
+               if engine.dialect.name == "sqlite" else
+               (sql_cast(req.op("->")(literal("sampling")), Text), sql_cast(req.op("->")(literal("asked")), Text)))
+    q = (select(*(T.c[n] for n in names), func.length(T.c.completion_ids), *extract)
+         .where(T.c.session_id == session_id).order_by(T.c.seq))
+    async with engine.connect() as conn:
+        rows: list[Any] = list((await conn.execute(q)).all())
+        tails = (await conn.execute(text(_TAIL_SQL[engine.dialect.name]), {"sid": session_id})).all()
+    turns = {}
+    for r in rows:
+        turn = LightTurn(*r[:13])
+        turn.completion_len, turn.sampling, turn.asked = int(r[13] or 0) // 4, _obj(r[14]), _obj(r[15])
+        turns[turn.seq] = turn
+    for seq, index, value in tails:
+        turn = turns[seq]
+        if not turn.new_messages:
+            turn.first_new = int(index)
+        message = orjson.loads(value)
+        turn.new_messages.append(message if isinstance(message, dict) else {"role": "?", "content": str(message)})
+    return list(turns.values())
+
+
+def _obj(raw: Any) -> dict[str, Any]:
+    value = orjson.loads(raw) if isinstance(raw, str | bytes) else raw
+    return value if isinstance(value, dict) else {}
+
+
+async def token_turns(engine: DbEngine, session_id: str) -> list[TurnRow]:
+    """The session's turns with their token arrays but not their messages (what the token view needs)."""
+    names = [f.name for f in fields(TurnRow) if f.name not in ("request", "reply")]
+    q = select(*(T.c[n] for n in names)).where(T.c.session_id == session_id).order_by(T.c.seq)
+    async with engine.connect() as conn:
+        rows = (await conn.execute(q)).all()
+    return [TurnRow(**dict(zip(names, r, strict=True)), request={}, reply={}) for r in rows]
+
+
+def turn_views(rows: list[LightTurn]) -> list[dict[str, Any]]:
     """Per turn: what is new in its request, its reply, sampling, timings and token figures."""
-    by_id = {r.id: r for r in rows}
-    results = {c["id"]: c for c in calls if c.get("id")}
+    calls = {c["id"]: c for r in rows for c in _calls(r.reply or {}) if c["id"]}
+    seqs = {r.id: r.seq for r in rows}
     out = []
     for r in rows:
-        messages = r.request.get("messages") or []
-        parent = by_id.get(r.parent_id) if r.parent_id else None
-        first_new = len(parent.request.get("messages") or []) + 1 if parent is not None else 0
-        new = [message_view(m, i) for i, m in enumerate(messages) if i >= first_new]
+        new = [message_view(m, r.first_new + i) for i, m in enumerate(r.new_messages)]
         for m in new:
-            call = results.get(m["tool_call_id"] or "")
+            call = calls.get(m["tool_call_id"] or "")
             m["tool_name"] = call["name"] if call else None
-            m["tool_failed"] = bool(call and call["failed"])
+            m["tool_failed"] = m["role"] == "tool" and _looks_failed(m["content"]["text"])
         versions = _versions(r.versions)
         t = r.timings or {}
         started, finished = t.get("started"), t.get("finished")
-        sampling = r.request.get("sampling") or {}
         out.append({
-            "id": r.id, "seq": r.seq, "parent_id": r.parent_id, "parent_seq": parent.seq if parent else None,
-            "continuity": r.continuity,
-            "chain_reason": r.chain_reason, "finish_reason": r.finish_reason,
+            "id": r.id, "seq": r.seq, "parent_id": r.parent_id,
+            "parent_seq": seqs.get(r.parent_id) if r.parent_id else None,
+            "continuity": r.continuity, "chain_reason": r.chain_reason, "finish_reason": r.finish_reason,
             "client_disconnected": r.client_disconnected, "reward": r.reward, "temperature": r.temperature,
-            "sampling": {k: v for k, v in sampling.items() if v is not None},
-            "asked": {k: v for k, v in (r.request.get("asked") or {}).items() if v is not None},
-            "new_messages": new, "skipped": first_new,
-            "reply": message_view(r.reply or {}, len(messages)) if r.reply else None,
-            "prompt_tokens": r.prompt_len, "completion_tokens": len(r.completion_ids) // 4,
+            "sampling": {k: v for k, v in r.sampling.items() if v is not None},
+            "asked": {k: v for k, v in r.asked.items() if v is not None},
+            "new_messages": new, "skipped": r.first_new if r.parent_id else 0,
+            "reply": message_view(r.reply, r.first_new + len(r.new_messages)) if r.reply else None,
+            "prompt_tokens": r.prompt_len, "completion_tokens": r.completion_len,
             "versions": sorted(set(versions)),
             "seconds": (float(finished) - float(started)) if started and finished else None,
             "resubmits": t.get("resubmits"), "cached_tokens": t.get("cached_tokens"), "backend": t.get("backend"),
@@ -103,7 +188,8 @@ async def session_stats(engine: DbEngine, session_ids: list[str]) -> dict[str, d
          .where(T.c.session_id.in_(session_ids)).order_by(T.c.session_id, T.c.seq))
     out: dict[str, dict[str, Any]] = {}
     async with engine.connect() as conn:
-        for sid, seq, prompt_len, clen, vblob, reply, continuity, finish in (await conn.execute(q)).all():
+        found: list[Any] = list((await conn.execute(q)).all())
+        for sid, seq, prompt_len, clen, vblob, reply, continuity, finish in found:
             s = out.setdefault(sid, {"turns": 0, "generated": 0, "prompt_tokens": 0, "versions": set(),
                                      "tool_calls": 0, "chain_breaks": 0, "last_finish": None})
             s["turns"] += 1

@@ -25,7 +25,8 @@ BUCKETS = 60
 
 
 async def _span(conn: DbConnection, column: Any, *where: Any) -> tuple[float, float] | None:
-    lo, hi = (await conn.execute(select(func.min(column), func.max(column)).where(*where))).one()
+    row: Any = (await conn.execute(select(func.min(column), func.max(column)).where(*where))).one()
+    lo, hi = row
     return None if lo is None else (float(lo), float(hi))
 
 
@@ -46,14 +47,15 @@ async def _reward_by_clock(conn: DbConnection, dialect: str, *, is_eval: bool) -
     bucket, width = _floor_bucket(G.c.completed_at, span, dialect)
     q = (select(bucket.label("b"), func.avg(S.c.reward), func.count(), func.count(func.distinct(G.c.id)))
          .select_from(G.join(S, S.c.group_id == G.c.id)).where(*where).group_by(bucket).order_by(bucket))
-    rows = (await conn.execute(q)).all()
-    out = [{"t": span[0] + (int(b) + 0.5) * width, "mean": float(m), "sessions": int(n), "groups": int(g)}
+    rows: list[Any] = list((await conn.execute(q)).all())
+    out: list[dict[str, Any]] = [{"t": span[0] + (int(b) + 0.5) * width, "mean": float(m), "sessions": int(n), "groups": int(g)}
            for b, m, n, g in rows]
     if is_eval:  # pass@k per bucket: the share of its groups with a session reward > 0
         gq = (select(G.c.completed_at, func.max(S.c.reward)).select_from(G.join(S, S.c.group_id == G.c.id))
               .where(*where).group_by(G.c.id, G.c.completed_at))
         passed: dict[int, list[int]] = {}
-        for at, best in (await conn.execute(gq)).all():
+        found: list[Any] = list((await conn.execute(gq)).all())
+        for at, best in found:
             k = min(int((float(at) - span[0]) // width), BUCKETS)
             passed.setdefault(k, []).append(1 if (best or 0) > 0 else 0)
         for point in out:
@@ -66,8 +68,8 @@ async def overview(state: Any) -> dict[str, Any]:
     store: Store = state.store
     dialect = store.engine.dialect.name
     async with store.engine.connect() as conn:
-        versions = [{"version": int(v), "published_at": float(t)} for v, t in
-                    (await conn.execute(select(W.c.version, W.c.published_at).order_by(W.c.version))).all()]
+        published: list[Any] = list((await conn.execute(select(W.c.version, W.c.published_at).order_by(W.c.version))).all())
+        versions = [{"version": int(v), "published_at": float(t)} for v, t in published]
         states = {str(s): int(n) for s, n in (await conn.execute(
             select(G.c.state, func.count()).group_by(G.c.state))).all()}
         dropped = {str(r or "unknown"): int(n) for r, n in (await conn.execute(
@@ -85,9 +87,9 @@ async def overview(state: Any) -> dict[str, Any]:
         span = await _span(conn, S.c.ended_at, S.c.state == "finished")
         if span is not None:
             bucket, width = _floor_bucket(S.c.ended_at, span, dialect)
-            rows = (await conn.execute(select(bucket, func.count()).where(S.c.state == "finished")
-                                       .group_by(bucket).order_by(bucket))).all()
-            throughput = [{"t": span[0] + (int(b) + 0.5) * width, "per_s": int(n) / width} for b, n in rows]
+            counted: list[Any] = list((await conn.execute(select(bucket, func.count()).where(S.c.state == "finished")
+                                                         .group_by(bucket).order_by(bucket))).all())
+            throughput = [{"t": span[0] + (int(b) + 0.5) * width, "per_s": int(n) / width} for b, n in counted]
         leases = [dict(r) for r in (await conn.execute(
             select(B.c.id, B.c.created_at, B.c.expires_at, B.c.trainer_version).where(B.c.state == "leased")
             .order_by(B.c.created_at))).mappings().all()]

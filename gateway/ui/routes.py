@@ -15,13 +15,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from gateway.errors import BadRequest, GatewayError, NotFound
-from gateway.records import session_record, tool_calls
+from gateway.records import session_record
 from gateway.routes.common import json_response
-from gateway.store.store import Store, TurnRow
+from gateway.store.store import Store
 from gateway.ui import overview as overview_data
 from gateway.ui import queries
-from gateway.ui.conversation import turn_views
-from gateway.ui.tokens import MAX_PAGE_TOKENS, PAGE_TOKENS, Chain, ChainCache, TokenText, page
+from gateway.ui.conversation import light_turns, token_turns, turn_views
+from gateway.ui.tokens import MAX_PAGE_TOKENS, PAGE_TOKENS, Chain, ChainCache, TokenText, build_chains, page
 from gateway.viewer_auth import UiCaller, UiSignInRequired, ui_caller
 
 HERE = Path(__file__).parent
@@ -98,17 +98,20 @@ def _token_text(request: Request) -> TokenText:
     return text
 
 
-async def _chains(request: Request, session: dict[str, Any], rows: list[TurnRow]) -> list[Chain]:
+async def _chains(request: Request, session_id: str) -> tuple[list[Chain], list[str]]:
+    """The session's chains (from the cache while its turn count holds) and its turn ids in order."""
+    store: Store = request.app.state.store
+    session = await _session_row(store, session_id)
     cache = _chain_cache(request)
-    key = (session["id"], len(rows))
-    chains = cache.get(key)
-    if chains is None:
+    key = (session_id, int(session["turn_count"]))
+    hit = cache.get(key)
+    if hit is None:
+        rows = await token_turns(store.engine, session_id)
         settings = getattr(request.app.state, "settings", None)
-        from gateway.ui.tokens import build_chains
-
         chains = build_chains(rows, session.get("reward"), float(getattr(settings, "gamma", 1.0)))
-        cache.put(key, chains)
-    return chains
+        hit = (chains, [r.id for r in rows])
+        cache.put(key, hit)
+    return hit
 
 
 # --- pages -----------------------------------------------------------------------------------------
@@ -173,19 +176,31 @@ async def session_page(request: Request, session_id: str) -> Response:
     try:
         caller.require_session(session_id)
         store: Store = request.app.state.store
-        session, rows = await store.session(session_id)
+        session = await _session_row(store, session_id)
+        rows = await light_turns(store.engine, session_id)
         group = await store.group(session["group_id"])
         advantage = (await store.session_advantages([session_id])).get(session_id)
-        chains = await _chains(request, session, rows)
     except UiSignInRequired:
         raise
     except GatewayError as e:
         return _error_page(e, caller)
-    turns = turn_views(rows, tool_calls(rows))
+    turns = turn_views(rows)
     fragment = request.query_params.get("fragment") == "1"
     return render("session_turns.html" if fragment else "session.html", caller, page="session", s=session,
-                  group=group, advantage=advantage, turns=turns, chains=[c.summary() for c in chains],
-                  chain_of={sp.turn_id: c.leaf_id for c in chains for sp in c.spans})
+                  group=group, advantage=advantage, turns=turns)
+
+
+async def _session_row(store: Store, session_id: str) -> dict[str, Any]:
+    """The session's own row (no turns)."""
+    from sqlalchemy import select
+
+    from gateway.store.store import S
+
+    async with store.engine.connect() as conn:
+        row = (await conn.execute(select(S).where(S.c.id == session_id))).mappings().first()
+    if row is None:
+        raise NotFound(f"no session {session_id}")
+    return {str(k): v for k, v in row.items() if k != "key_hash"}
 
 
 @router.get("/ui/search")
@@ -245,14 +260,19 @@ async def session_json(request: Request, session_id: str) -> Response:
     return response
 
 
+@router.get("/ui/api/sessions/{session_id}/chains")
+async def chains_json(request: Request, session_id: str) -> Response:
+    """Each chain of the session: its turns, token and trained counts, version changes, why it started."""
+    (await _caller(request)).require_session(session_id)
+    chains, _ = await _chains(request, session_id)
+    return _json({"object": "list", "data": [c.summary() for c in chains]})
+
+
 @router.get("/ui/api/sessions/{session_id}/summary")
 async def session_summary(request: Request, session_id: str) -> Response:
     """What the session page polls: it reloads its turns when `turn_count` moved."""
     (await _caller(request)).require_session(session_id)
-    auth = await request.app.state.store.session_auth(session_id=session_id)
-    if auth is None:
-        raise NotFound(f"no session {session_id}")
-    session, _ = await request.app.state.store.session(session_id)
+    session = await _session_row(request.app.state.store, session_id)
     return _json({k: session[k] for k in ("id", "state", "reward", "turn_count", "end_reason", "ended_at")})
 
 
@@ -280,11 +300,10 @@ async def tokens_json(request: Request, session_id: str) -> Response:
         raise BadRequest("offset and limit must be integers", param="offset") from None
     if not 1 <= limit <= MAX_PAGE_TOKENS or (offset is not None and offset < 0):
         raise BadRequest(f"limit must be 1..{MAX_PAGE_TOKENS} and offset >= 0", param="limit")
-    session, rows = await request.app.state.store.session(session_id)
-    chains = await _chains(request, session, rows)
+    chains, turn_ids = await _chains(request, session_id)
     if not chains:
         raise NotFound(f"session {session_id} has no turns yet")
-    chain, start = _locate(chains, rows, q.get("chain"), q.get("turn"), limit)
+    chain, start = _locate(chains, turn_ids, q.get("chain"), q.get("turn"), limit)
     if offset is None:
         offset = start
     if offset > len(chain.token_ids):
@@ -292,7 +311,7 @@ async def tokens_json(request: Request, session_id: str) -> Response:
     return _json(page(chain, _token_text(request), offset, limit))
 
 
-def _locate(chains: list[Chain], rows: list[TurnRow], leaf: str | None, turn: str | None,
+def _locate(chains: list[Chain], turn_ids: list[str], leaf: str | None, turn: str | None,
             limit: int) -> tuple[Chain, int]:
     """The chain asked for and where its page starts: at a turn's reply (a little of its prompt before it)."""
     if leaf:
@@ -301,7 +320,7 @@ def _locate(chains: list[Chain], rows: list[TurnRow], leaf: str | None, turn: st
                 return c, 0
         raise NotFound(f"no chain ending at turn {leaf}")
     if turn:
-        turn_id = rows[-1].id if turn == "last" and rows else turn
+        turn_id = turn_ids[-1] if turn == "last" and turn_ids else turn
         for c in reversed(chains):
             for sp in c.spans:
                 if sp.turn_id == turn_id:

@@ -146,7 +146,7 @@ def build_chains(rows: list[TurnRow], session_reward: float | None, gamma: float
                                              "turn_id": turn.id, "seq": turn.seq})
             chain.versions.extend(versions)
             chain.spans.append(Span(turn.id, turn.seq, start, cstart, len(chain.token_ids)))
-        if k < len(sequences) and sequences[k].token_ids == chain.token_ids.tolist():
+        if k < len(sequences) and array("i", sequences[k].token_ids) == chain.token_ids:
             chain.loss_mask = bytearray(sequences[k].loss_mask)
             k += 1
         else:  # samples.py made no sequence of it: nothing of this chain is trained
@@ -165,21 +165,25 @@ def _native(data: bytes, code: str) -> bytes:
     return arr.tobytes()
 
 
+Entry = tuple[list[Chain], list[str]]
+"""A session's chains and its turn ids in order."""
+
+
 class ChainCache:
     """The chains of the last few sessions looked at, keyed by (session id, turn count): a new turn is a
     new key, so a live session is never shown stale."""
 
     def __init__(self, size: int = 8) -> None:
         self.size = size
-        self._items: collections.OrderedDict[tuple[str, int], list[Chain]] = collections.OrderedDict()
+        self._items: collections.OrderedDict[tuple[str, int], Entry] = collections.OrderedDict()
 
-    def get(self, key: tuple[str, int]) -> list[Chain] | None:
+    def get(self, key: tuple[str, int]) -> Entry | None:
         chains = self._items.get(key)
         if chains is not None:
             self._items.move_to_end(key)
         return chains
 
-    def put(self, key: tuple[str, int], chains: list[Chain]) -> None:
+    def put(self, key: tuple[str, int], chains: Entry) -> None:
         self._items[key] = chains
         self._items.move_to_end(key)
         while len(self._items) > self.size:

@@ -108,6 +108,23 @@
     history.replaceState(null, "", "#tokens=" + (b.dataset.turn ? "turn:" + b.dataset.turn : "chain:" + b.dataset.chain));
     load(q).then(() => view.scrollIntoView());
   });
+  async function loadChains() {
+    const d = await UI.getJSON(`/ui/api/sessions/${encodeURIComponent(sid)}/chains`);
+    const body = document.getElementById("chains-body");
+    body.replaceChildren(...d.data.map(c => {
+      const tr = document.createElement("tr");
+      tr.dataset.chain = c.leaf_id;
+      const cells = [c.leaf_id.slice(0, 18) + "…", c.turns.map(t => t.seq).join(", "), c.tokens, c.trained,
+        c.boundaries.map(b => `turn ${b.seq}: v${b.from}→v${b.to}`).join("; ") || "–",
+        c.drift ? `${c.drift.reason} at token ${c.drift.index} (vs turn ${c.drift.against_seq})` : "first turn"];
+      cells.forEach((v, i) => { const td = document.createElement("td"); td.textContent = String(v); if (i === 2 || i === 3) td.className = "num"; if (i === 0) td.className = "mono"; tr.appendChild(td); });
+      const td = document.createElement("td"), b = document.createElement("button");
+      b.type = "button"; b.className = "show-tokens"; b.dataset.chain = c.leaf_id; b.textContent = "tokens";
+      td.appendChild(b); tr.appendChild(td);
+      return tr;
+    }));
+  }
+  loadChains();
   // #tokens=last | #tokens=turn:<id> | #tokens=chain:<leaf id>: open the token view on load.
   const m = location.hash.match(/^#tokens=(last|turn:(.+)|chain:(.+))$/);
   if (m) {
