@@ -19,13 +19,15 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from engine.sampling import InvalidRequest, SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 CACHE_SIZE = 256
 """Compiled grammars kept (by kind and text); a tool set's grammar is one entry."""
@@ -54,6 +56,8 @@ class GrammarCompiler:
     """xgrammar's compiler for one tokenizer and vocabulary, with a cache of compiled grammars."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+        import xgrammar as xgr  # only once a request brings a grammar: it costs ~0.35 s to import
+
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
@@ -81,6 +85,8 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        import xgrammar as xgr
+
         if kind == "json":
             if text == ANY_JSON:
                 return self._compiler.compile_builtin_json_grammar()
@@ -130,6 +136,8 @@ class GrammarRows:
         """`logits` (B, V) float32 with every token the row's grammar forbids at -inf (in place)."""
         if not self.rows:
             return logits
+        import xgrammar as xgr
+
         bitmask = xgr.allocate_token_bitmask(len(self.matchers), logits.shape[-1])
         for i in self.rows:
             self.matchers[i].fill_next_token_bitmask(bitmask, i)
@@ -139,6 +147,8 @@ class GrammarRows:
 
 def new_matcher(compiled: xgr.CompiledGrammar, stop_ids: Sequence[int]) -> xgr.GrammarMatcher:
     """A fresh state of `compiled` for one request; the grammar ends on any of `stop_ids`."""
+    import xgrammar as xgr
+
     return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids) or None)
 
 
