@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+from torch.distributed.distributed_c10d import (
+    GroupName,
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+    rendezvous,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_GROUP = "weight_update_group"
@@ -41,7 +47,8 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=GroupName(group_name),
+                                    timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 

@@ -211,6 +211,15 @@ class SGLangClient:
             raise BackendRejected(200, _error_message(orjson.dumps(obj)))
         return obj
 
+    async def weight_call(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """POST one of the process-group weight endpoints, which answer `{success, message}` (docs/sglang-contract.md
+        "The process-group path"), within `timeout` seconds. BackendRejected on `success: false`."""
+        limit = aiohttp.ClientTimeout(total=timeout, sock_connect=self._connect_timeout)
+        obj = _loads(await self._call("POST", path, body, limit), path)
+        if not isinstance(obj, dict) or obj.get("success") is False:
+            raise BackendRejected(200, _error_message(orjson.dumps(obj)))
+        return obj
+
     async def model_info(self) -> dict[str, Any]:
         return await self._get_json("/model_info", "/get_model_info")
 

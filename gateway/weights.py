@@ -24,6 +24,7 @@ from gateway.pool import Backend, BackendPool
 from gateway.settings import Settings
 from gateway.sglang import BackendError
 from gateway.store.leases import Leases
+from gateway.weight_sync import DISTRIBUTED, AwaitingWeights, refuse_partial
 
 log = logging.getLogger("rollway.gateway")
 
@@ -96,10 +97,15 @@ class Publisher:
         that publish stored."""
         async with self._lock:
             version, path = await self.leases.current_weights()
+            if version == 0 or path is None:  # nothing to load: only a half-received update keeps it out
+                await refuse_partial(backend)
             if version != 0 and path is not None and is_adapter(path):
                 await self.adapters.sync_backend(backend, version, path)  # base weights + adapters (gateway/adapters.py)
             elif version != 0 and path is not None:
                 info = await backend.client.model_info()
+                if str(info.get("weight_version")) != str(version) and path.startswith(DISTRIBUTED):
+                    raise AwaitingWeights(f"version {version} was published over process groups: the backend gets "
+                                          "it at the next publish")  # no folder to load (gateway/weight_sync.py)
                 if str(info.get("weight_version")) != str(version):
                     log.info("loading version %d into backend %s", version, backend.url)
                     await backend.client.update_weights_from_disk(path, str(version))

@@ -30,7 +30,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+from torch.distributed.distributed_c10d import (
+    GroupName,
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+    rendezvous,
+)
 
 from trainer.checkpoint import TOKENIZER_FILES, _fsync_dir, _fsync_tree, full_state_dict, save_dtype
 from trainer.client import GatewayClient, GatewayHTTPError
@@ -45,7 +51,8 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=GroupName(group_name),
+                                    timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 

@@ -31,6 +31,7 @@ from gateway.settings import backend_url
 from gateway.sglang import BackendError
 from gateway.store.models import BackendRow
 from gateway.store.store import Store
+from gateway.weight_sync import AwaitingWeights
 
 router = APIRouter()
 BR = cast(Table, BackendRow.__table__)
@@ -162,6 +163,8 @@ async def add_backend(request: Request) -> Response:
             if not await backend.client.health():
                 raise BackendError(f"{url}/health does not answer 200")
             await state.publisher.sync_backend(backend)
+        except AwaitingWeights as e:  # kept out of rotation: the next publish over process groups brings it up
+            backend.last_error = str(e)
         except BackendError as e:
             with contextlib.suppress(KeyError):  # a DELETE may have taken it out meanwhile
                 state.pool.remove(backend.id)

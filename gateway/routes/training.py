@@ -12,8 +12,10 @@ from gateway.auth import admin
 from gateway.protocol import INT32_MAX, Strict
 from gateway.routes.common import json_response, read_body
 from gateway.store.leases import LeaseRequest
+from gateway.weight_sync import router as sync_router
 
 router = APIRouter()
+router.include_router(sync_router)  # publishing over process groups: /v1/weights/sync/init, /v1/weights/sync
 
 
 class LeaseBody(Strict):

@@ -19,6 +19,9 @@ Test handles: `requests` (/generate payloads), `calls` (control calls as (path, 
 `disconnected` (rids), `running` (requests in flight), `script()`, `fail_next()` (HTTP errors),
 `fail_stream()` (an SSE error event or a dropped connection mid-stream), `down` (drop every connection),
 `healthy` (503 on /health), `stop()`/`start()` (connection refused, same port).
+The process-group weight endpoints check their bodies and record the groups (`groups`: name -> init body) and
+buckets, but receive no tensors (no torch here): `fail_sync_at = k` fails the k-th bucket call (0-based) with
+SGLang's `success: false` answer, as a server whose broadcast broke.
 
 As a process: python -m tests.fakes.sglang --port 30000 [--incremental] [--token-delay 0.01]
 """
@@ -108,6 +111,9 @@ class FakeSGLang:
         self._gens: dict[str, Generation] = {}
         self._history: deque[list[int]] = deque(maxlen=256)
         self._draws = 0
+        self.groups: dict[str, dict[str, Any]] = {}
+        self.buckets_received = 0
+        self.fail_sync_at: int | None = None
         self.enable_lora = enable_lora  # LoRA as SGLang 0.5.23 serves it (docs/sglang-contract.md "LoRA adapters")
         self.max_loaded_loras = max_loaded_loras
         self.loras: dict[str, str] = {}  # name -> path, least recently used first
@@ -121,6 +127,10 @@ class FakeSGLang:
                 Route("/pause_generation", self._pause, methods=["POST"]),
                 Route("/continue_generation", self._continue, methods=["POST"]),
                 Route("/update_weights_from_disk", self._update_weights, methods=["POST"]),
+                Route("/update_weight_version", self._update_weight_version, methods=["POST"]),
+                Route("/init_weights_update_group", self._init_group, methods=["POST"]),
+                Route("/update_weights_from_distributed", self._update_distributed, methods=["POST"]),
+                Route("/destroy_weights_update_group", self._destroy_group, methods=["POST"]),
                 Route("/load_lora_adapter", self._load_lora, methods=["POST"]),
                 Route("/unload_lora_adapter", self._unload_lora, methods=["POST"]),
                 Route("/flush_cache", self._flush_cache, methods=["GET", "POST"]),
@@ -352,6 +362,50 @@ class FakeSGLang:
         if body.get("flush_cache", True):
             self._history.clear()
         return JSONResponse({"success": True, "message": "Weights updated.", "num_paused_requests": 0})
+
+    async def _update_weight_version(self, request: Request) -> Response:
+        body = await self._json(request)
+        if body.get("abort_all_requests", True):
+            self._abort_matching("", abort_all=True)
+        self.weight_version = str(body["new_version"])
+        return JSONResponse({"success": True, "message": "Weight version updated.", "new_version": self.weight_version})
+
+    async def _init_group(self, request: Request) -> Response:
+        body = await self._json(request)
+        name = body.get("group_name") or "weight_update_group"
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+        if missing or name in self.groups:
+            message = f"missing {missing}" if missing else f"group {name} exists"
+            return JSONResponse({"success": False, "message": f"Failed to initialize custom process group: {message}."}, 400)
+        self.groups[name] = {**body, "backend": body.get("backend") or "nccl"}
+        return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def _update_distributed(self, request: Request) -> Response:
+        body = await self._json(request)
+        name = body.get("group_name") or "weight_update_group"
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if name not in self.groups:
+            message = f"Group {name} not in {sorted(self.groups)}. Please call `init_weights_update_group` first."
+            return JSONResponse({"success": False, "message": message}, 400)
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)):
+            return bad("names, dtypes and shapes must be lists of one length")
+        if self.fail_sync_at is not None and self.buckets_received >= self.fail_sync_at:
+            message = "Failed to update parameter online: fake. The full weights of the ModelRunner are partially updated."
+            return JSONResponse({"success": False, "message": message}, 400)
+        await asyncio.sleep(self.load_delay)
+        self.buckets_received += 1
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        if body.get("flush_cache", True):
+            self._history.clear()
+        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def _destroy_group(self, request: Request) -> Response:
+        body = await self._json(request)
+        if self.groups.pop(body.get("group_name") or "weight_update_group", None) is None:
+            return JSONResponse({"success": False, "message": "The group to be destroyed does not exist."}, 400)
+        return JSONResponse({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def _flush_cache(self, request: Request) -> Response:
         self.calls.append((request.url.path, {}))

@@ -1,0 +1,296 @@
+"""Publishing weights over torch process groups: the gateway coordinates, the trainer broadcasts (docs/http-api.md
+"Weight sync over process groups"; the trainer's side is trainer/weight_sync.py).
+
+    POST /v1/weights/sync/init {version, master_address, backend, timeout_s}
+        -> {sync_id, groups: [{group_name, world_size, backend_id}]}     the publish lock is now held for the trainer
+    POST /v1/weights/sync {sync_id, version, ports, buckets, batch_ids, results}
+        pause the backends; on each, concurrently with the others and with the trainer's broadcasts:
+        mark it "<v>-partial" (/update_weight_version), join its group (/init_weights_update_group), one
+        /update_weights_from_distributed per bucket (the version named on the last), leave the group; then continue
+        the backends, record the version and ack the batches in one transaction.
+
+Why one group per backend: a backend that dies mid-update breaks only its own group, so the others still finish and
+serve the new version, and the agents see nothing. A backend that failed is never left serving a mix: it reports
+"<v>-partial" until it has received a whole version, its queued requests are aborted (the gateway resubmits them
+elsewhere), and it stays out of rotation until a later publish sends it every bucket (re-syncs, and backends added
+at run time, join the next publish: with no shared disk there is nothing else to load them from).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import Field
+
+from gateway.auth import admin
+from gateway.errors import BadRequest, Conflict, ServiceUnavailable
+from gateway.pool import Backend
+from gateway.protocol import INT32_MAX, Strict
+from gateway.routes.common import json_response, read_body
+from gateway.sglang import BackendError
+
+if TYPE_CHECKING:
+    from gateway.weights import Publisher
+
+log = logging.getLogger("rollway.gateway")
+DISTRIBUTED = "distributed:"
+"""`model_path` prefix of a version published over process groups: there is no folder to load it from."""
+
+
+class AwaitingWeights(BackendError):
+    """The current version came over process groups and this backend lacks it: it takes part in the next publish."""
+
+
+async def refuse_partial(backend: Backend) -> None:
+    """AwaitingWeights when the server says it holds a half-received update ("<v>-partial"): at version 0 there is
+    nothing to load into it, and its old version number must not let it back with a mix."""
+    reported = str((await backend.client.model_info()).get("weight_version"))
+    if reported.endswith("-partial"):
+        raise AwaitingWeights(f"it holds part of an update ({reported}): it gets a whole version at the next publish")
+
+
+@dataclass(eq=False)
+class Target:
+    backend: Backend
+    group_name: str
+    world_size: int
+    stage: str = "planned"
+    buckets_done: int = 0
+    error: str | None = None
+
+    def json(self) -> dict[str, Any]:
+        return {"backend_id": self.backend.id, "group_name": self.group_name, "world_size": self.world_size,
+                "stage": self.stage, "buckets_done": self.buckets_done, "error": self.error}
+
+
+@dataclass(eq=False)
+class Plan:
+    sync_id: str
+    version: int
+    master_address: str
+    backend: str
+    timeout: float
+    targets: list[Target]
+    expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
+    released: bool = False
+
+
+class ProcessGroupSync:
+    """One publish over process groups at a time, under the publisher's lock (held from init to the end of sync)."""
+
+    def __init__(self, publisher: Publisher) -> None:
+        self.publisher = publisher
+        self.plan: Plan | None = None
+
+    async def init(self, version: int, master_address: str, backend: str, timeout: float) -> dict[str, Any]:
+        await self.publisher.leases.check_publishable(version, [])
+        lock = self.publisher._lock
+        try:
+            await asyncio.wait_for(lock.acquire(), timeout)
+        except TimeoutError:
+            raise ServiceUnavailable("another publish is in progress", retry_after=5) from None
+        try:
+            targets = await self._targets(version, uuid.uuid4().hex[:8])
+            if not targets:
+                raise ServiceUnavailable("no backend answers /health: nothing to publish to", retry_after=10)
+        except BaseException:
+            lock.release()
+            raise
+        plan = Plan(uuid.uuid4().hex, version, master_address, backend, timeout, targets)
+        # A trainer that never sends its sync must not hold the lock for ever.
+        plan.expiry = asyncio.get_running_loop().call_later(timeout + 30, self._release, plan)
+        self.plan = plan
+        return {"sync_id": plan.sync_id, "version": version,
+                "groups": [{"group_name": t.group_name, "world_size": t.world_size, "backend_id": t.backend.id}
+                           for t in targets]}
+
+    async def _targets(self, version: int, tag: str) -> list[Target]:
+        """Every backend in rotation, and every one out of it that answers /health (it failed, or was added, or
+        recovered without the current weights: a whole version brings it back). World size 1 + its TP ranks."""
+        candidates = self.publisher.pool.backends()
+        alive = await asyncio.gather(*(b.client.health() for b in candidates))
+        chosen = [b for b, ok in zip(candidates, alive, strict=True) if b.healthy or ok]
+
+        async def tp_size(b: Backend) -> int:
+            try:
+                return max(1, int((await b.client.server_info()).get("tp_size") or 1))
+            except (BackendError, TypeError, ValueError):  # an older server: one rank
+                return 1
+
+        sizes = await asyncio.gather(*(tp_size(b) for b in chosen))
+        return [Target(b, f"rollway-v{version}-{b.id}-{tag}", 1 + n) for b, n in zip(chosen, sizes, strict=True)]
+
+    def _release(self, plan: Plan) -> None:
+        if not plan.released:
+            plan.released = True
+            if plan.expiry is not None:
+                plan.expiry.cancel()
+            if self.plan is plan:
+                self.plan = None
+            self.publisher._lock.release()
+
+    async def sync(self, sync_id: str, version: int, ports: dict[str, int], buckets: list[dict[str, Any]],
+                   batch_ids: list[str], results: dict[str, str]) -> dict[str, Any]:
+        plan = self.plan
+        if plan is None or plan.sync_id != sync_id or plan.released:
+            raise Conflict(f"no pending weight sync {sync_id} (expired, or another one started)", param="sync_id")
+        if plan.expiry is not None:
+            plan.expiry.cancel()
+        try:
+            if version != plan.version:
+                raise BadRequest(f"version {version} is not the planned {plan.version}", param="version")
+            missing = [t.group_name for t in plan.targets if t.group_name not in ports]
+            if missing:
+                raise BadRequest(f"no port for groups {missing}", param="ports")
+            await self.publisher.leases.check_publishable(version, batch_ids)
+            return await self._run(plan, ports, buckets, batch_ids, results)
+        finally:
+            self._release(plan)
+
+    async def _run(self, plan: Plan, ports: dict[str, int], buckets: list[dict[str, Any]], batch_ids: list[str],
+                   results: dict[str, str]) -> dict[str, Any]:
+        pool, version = self.publisher.pool, plan.version
+        t0 = time.perf_counter()
+        await _each(plan.targets, lambda t: t.backend.client.pause("abort"))
+        await asyncio.gather(*(self._update(t, plan, ports[t.group_name], buckets) for t in plan.targets))
+        failed = {t.backend.id: t.error or "" for t in plan.targets if t.error is not None}
+        for t in plan.targets:
+            if t.error is not None:  # its waiting requests come back aborted and are resubmitted elsewhere
+                pool.mark_failed(t.backend, f"weight sync of version {version} failed: {t.error}")
+                log.error("backend %s failed to take version %d: %s", t.backend.id, version, t.error)
+        await _each([t for t in plan.targets if t.error is not None],
+                    lambda t: t.backend.client.abort("", abort_all=True))
+        await _each(plan.targets, lambda t: t.backend.client.continue_())
+        ok = [t for t in plan.targets if t.error is None]
+        if not ok:
+            raise ServiceUnavailable(f"no backend took version {version}: {failed}", retry_after=10)
+        model_path = f"{DISTRIBUTED}v{version}"
+        await self.publisher.leases.publish(version, model_path, batch_ids, results, failed)
+        for t in ok:
+            t.backend.weight_version = str(version)
+            pool.mark_healthy(t.backend)  # one that was out of rotation is current again
+        seconds = time.perf_counter() - t0
+        self.publisher.metrics.publish_seconds.observe(seconds)
+        self.publisher.metrics.weight_version.set(version)
+        return {"version": version, "model_path": model_path, "seconds": round(seconds, 4),
+                "failed_backends": failed, "backends": [t.backend.id for t in ok]}
+
+    async def _update(self, t: Target, plan: Plan, port: int, buckets: list[dict[str, Any]]) -> None:
+        client, timeout, joined = t.backend.client, plan.timeout + 10, False
+        try:
+            t.stage = "mark"  # until every bucket is in, the server says so in /model_info (survives our restart)
+            await client.weight_call("/update_weight_version",
+                                     {"new_version": f"{plan.version}-partial", "abort_all_requests": False}, timeout)
+            t.stage = "init"
+            await client.weight_call("/init_weights_update_group", {
+                "master_address": plan.master_address, "master_port": port, "rank_offset": 1,
+                "world_size": t.world_size, "group_name": t.group_name, "backend": plan.backend}, timeout)
+            joined = True
+            t.stage = "buckets"
+            for i, bucket in enumerate(buckets):
+                body = {**bucket, "group_name": t.group_name, "load_format": "flattened_bucket",
+                        "flush_cache": i == len(buckets) - 1, "abort_all_requests": False}
+                if i == len(buckets) - 1:
+                    body["weight_version"] = str(plan.version)
+                await client.weight_call("/update_weights_from_distributed", body, timeout)
+                t.buckets_done = i + 1
+            t.stage = "done"
+        except BackendError as e:  # reported per backend; the others go on in their own groups
+            t.error = f"{t.stage}: {e}"
+        finally:
+            if joined:
+                try:
+                    await client.weight_call("/destroy_weights_update_group", {"group_name": t.group_name}, 10.0)
+                except BackendError as e:  # a dead server has nothing left to destroy
+                    log.debug("destroying group %s: %s", t.group_name, e)
+
+    def progress(self) -> dict[str, Any]:
+        plan = self.plan
+        if plan is None:
+            return {"sync": None}
+        return {"sync": {"sync_id": plan.sync_id, "version": plan.version, "backend": plan.backend,
+                         "targets": [t.json() for t in plan.targets]}}
+
+
+async def _each(targets: list[Target], fn: Any) -> None:
+    """fn(target) on every target at once, best effort: a failure here is the update's to report, not this call's."""
+
+    async def one(t: Target) -> None:
+        try:
+            await fn(t)
+        except BackendError as e:
+            log.warning("backend %s: %s", t.backend.id, e)
+
+    await asyncio.gather(*(one(t) for t in targets))
+
+
+# -- routes ----------------------------------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+class SyncInitBody(Strict):
+    version: int = Field(ge=1, le=INT32_MAX)
+    master_address: str = Field(min_length=1, max_length=255)
+    """The trainer's host as the inference servers reach it (their TCP stores connect there)."""
+    backend: Literal["gloo", "nccl"] = "nccl"
+    timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    """Each collective's and each server call's limit."""
+
+
+class Manifest(Strict):
+    names: list[str] = Field(min_length=1, max_length=100_000)
+    dtypes: list[str] = Field(min_length=1, max_length=100_000)
+    shapes: list[list[int]] = Field(min_length=1, max_length=100_000)
+
+
+class SyncBody(Strict):
+    sync_id: str = Field(min_length=1, max_length=64)
+    version: int = Field(ge=1, le=INT32_MAX)
+    ports: dict[str, int] = Field(default_factory=dict)
+    """group_name -> the port of the trainer's TCP store for that group."""
+    buckets: list[Manifest] = Field(min_length=1, max_length=100_000)
+    batch_ids: list[str] = Field(default_factory=list)
+    results: dict[str, str] = Field(default_factory=dict)
+
+
+def _sync(request: Request) -> ProcessGroupSync:
+    state = request.app.state
+    if getattr(state, "weight_sync", None) is None:
+        state.weight_sync = ProcessGroupSync(state.publisher)
+    sync: ProcessGroupSync = state.weight_sync
+    return sync
+
+
+@router.post("/v1/weights/sync/init")
+async def sync_init(request: Request) -> Response:
+    await admin(request)
+    body = await read_body(request, SyncInitBody)
+    await request.app.state.registry.reload()  # backends another gateway added take part
+    return json_response(await _sync(request).init(body.version, body.master_address, body.backend, body.timeout_s))
+
+
+@router.post("/v1/weights/sync")
+async def sync(request: Request) -> Response:
+    await admin(request)
+    body = await read_body(request, SyncBody)
+    for b in body.buckets:
+        if not (len(b.names) == len(b.dtypes) == len(b.shapes)):
+            raise BadRequest("each bucket needs as many dtypes and shapes as names", param="buckets")
+    out = await _sync(request).sync(body.sync_id, body.version, body.ports, [b.model_dump() for b in body.buckets],
+                                    body.batch_ids, body.results)
+    request.app.state.budget.notify_one()  # a new version widens the staleness budget
+    return json_response(out)
+
+
+@router.get("/v1/weights/sync")
+async def sync_progress(request: Request) -> Response:
+    await admin(request)
+    return json_response(_sync(request).progress())

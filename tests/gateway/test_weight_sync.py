@@ -1,0 +1,157 @@
+"""The gateway's side of a publish over process groups (gateway/weight_sync.py) against scripted SGLang fakes: the
+calls each server gets and in what order, a server that fails mid-update (out of rotation, never on a mix, no
+agent-visible error, brought back by the next publish), a server added later, nobody taking the weights."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fakes.sglang import FakeSGLang
+from tests.harness import LiveGateway
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A store per test: each starts at version 0 with its servers on their starting weights."""
+    from gateway.store.db import upgrade
+
+    url = f"sqlite:///{tmp_path / 'rollway.db'}"
+    upgrade(url)
+    return url
+
+
+BUCKETS = [{"names": [f"w{i}"], "dtypes": ["float32"], "shapes": [[2, 2]]} for i in range(3)]
+
+
+def publish(gw: LiveGateway, version: int, **init: Any) -> tuple[dict[str, Any], Any]:
+    plan = gw.admin.post("/v1/weights/sync/init", json={"version": version, "master_address": "10.0.0.9",
+                                                         "backend": "gloo", "timeout_s": 5, **init})
+    assert plan.status_code == 200, plan.text
+    p = plan.json()
+    ports = {g["group_name"]: 40000 + i for i, g in enumerate(p["groups"])}
+    return p, gw.admin.post("/v1/weights/sync", json={"sync_id": p["sync_id"], "version": version, "ports": ports,
+                                                       "buckets": BUCKETS})
+
+
+def chat(gw: LiveGateway, cred: dict[str, Any]) -> Any:
+    return gw.openai(cred).chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}],
+                                                   max_tokens=8)
+
+
+def health(gw: LiveGateway) -> dict[str, dict[str, Any]]:
+    return {b["url"]: b for b in gw.admin.get("/v1/backends").json()["data"]}
+
+
+def test_each_server_gets_its_own_group_and_the_buckets_in_order(tiny_model_dir: Path, sqlite_url: str) -> None:
+    with FakeSGLang() as a, FakeSGLang() as b, LiveGateway(backends=[a.url, b.url], tokenizer=str(tiny_model_dir),
+                                                          db=sqlite_url) as gw:
+        plan, r = publish(gw, 1)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["version"] == 1 and out["model_path"] == "distributed:v1" and out["failed_backends"] == {}
+        assert len({g["group_name"] for g in plan["groups"]}) == 2 and {g["world_size"] for g in plan["groups"]} == {2}
+        for fake in (a, b):
+            paths = [p for p, _ in fake.calls]
+            assert paths == ["/pause_generation", "/update_weight_version", "/init_weights_update_group",
+                             *["/update_weights_from_distributed"] * 3, "/destroy_weights_update_group",
+                             "/continue_generation"]
+            body = dict(fake.calls)
+            assert body["/update_weight_version"] == {"new_version": "1-partial", "abort_all_requests": False}
+            init = body["/init_weights_update_group"]
+            assert (init["master_address"], init["rank_offset"], init["world_size"], init["backend"]) == \
+                ("10.0.0.9", 1, 2, "gloo")
+            updates = [c for p, c in fake.calls if p == "/update_weights_from_distributed"]
+            assert [u["names"] for u in updates] == [["w0"], ["w1"], ["w2"]]
+            assert [u.get("weight_version") for u in updates] == [None, None, "1"]  # named on the last bucket only
+            assert {u["group_name"] for u in updates} == {init["group_name"]} and not fake.groups
+            assert fake.weight_version == "1"
+        assert gw.admin.get("/v1/weights").json() == {"version": 1, "model_path": "distributed:v1"}
+        cred = gw.group(2)["sessions"][0]
+        chat(gw, cred)
+        assert set(gw.session(cred["session_id"])["turns"][0]["versions"]) == {1}
+        # Not the planned version, or no pending plan: refused before any server is touched.
+        assert gw.admin.post("/v1/weights/sync", json={"sync_id": "nope", "version": 2, "buckets": BUCKETS}
+                             ).status_code == 409
+        assert gw.admin.post("/v1/weights/sync/init", json={"version": 1, "master_address": "x"}).status_code == 409
+
+
+def test_a_server_failing_mid_update_leaves_rotation_until_a_later_publish(tiny_model_dir: Path,
+                                                                            sqlite_url: str) -> None:
+    with FakeSGLang(token_delay=0.003) as a, FakeSGLang(token_delay=0.003) as b, LiveGateway(
+        backends=[a.url, b.url], tokenizer=str(tiny_model_dir), db=sqlite_url
+    ) as gw:
+        creds = [c for _ in range(3) for c in gw.group(4)["sessions"]]
+        errors: list[Exception] = []
+        stop = threading.Event()
+
+        def agent(cred: dict[str, Any]) -> None:
+            while not stop.is_set():
+                try:
+                    chat(gw, cred)
+                except Exception as e:  # reported by the assertion below
+                    errors.append(e)
+
+        threads = [threading.Thread(target=agent, args=(c,)) for c in creds]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        b.fail_sync_at = 1  # the second bucket breaks on b
+        _, r = publish(gw, 1)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        bid = next(x["id"] for x in health(gw).values() if x["url"] == b.url)
+        assert list(out["failed_backends"]) == [bid] and out["backends"] != [bid]
+        assert a.weight_version == "1" and b.weight_version == "1-partial"  # never claims a version it lacks
+        b_calls = [p for p, _ in b.calls]
+        assert "/abort_request" in b_calls and b_calls[-1] == "/continue_generation"
+        time.sleep(1.5)  # three health rounds: b answers /health but is not taken back with a mix
+        assert health(gw)[b.url]["healthy"] is False and health(gw)[a.url]["healthy"] is True
+        n_b = len(b.requests)
+        time.sleep(0.5)
+        assert len(b.requests) == n_b  # no traffic to it
+        b.fail_sync_at = None
+        _, r = publish(gw, 2)  # it takes part, gets every bucket, and is back
+        assert r.status_code == 200 and r.json()["failed_backends"] == {}, r.text
+        assert a.weight_version == b.weight_version == "2" and health(gw)[b.url]["healthy"] is True
+        time.sleep(0.5)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        versions = {v for c in creds for turn in gw.session(c["session_id"])["turns"] for v in turn["versions"]}
+        assert versions <= {0, 1, 2} and 2 in versions
+
+
+def test_nobody_taking_it_publishes_nothing_and_the_next_one_does(tiny_model_dir: Path, sqlite_url: str) -> None:
+    with FakeSGLang() as a, LiveGateway(backends=[a.url], tokenizer=str(tiny_model_dir), db=sqlite_url) as gw:
+        a.fail_sync_at = 0
+        _, r = publish(gw, 1)
+        assert r.status_code == 503
+        assert gw.admin.get("/v1/weights").json()["version"] == 0 and a.weight_version == "1-partial"
+        time.sleep(1.5)
+        assert health(gw)[a.url]["healthy"] is False  # its version "1-partial" is not the current 0
+        a.fail_sync_at = None
+        _, r = publish(gw, 1)
+        assert r.status_code == 200, r.text
+        assert a.weight_version == "1" and health(gw)[a.url]["healthy"] is True
+
+
+def test_a_server_added_later_waits_for_the_next_publish(tiny_model_dir: Path, sqlite_url: str) -> None:
+    with FakeSGLang() as a, FakeSGLang() as c, LiveGateway(backends=[a.url], tokenizer=str(tiny_model_dir),
+                                                          db=sqlite_url) as gw:
+        assert publish(gw, 1)[1].status_code == 200
+        r = gw.admin.post("/v1/backends", json={"url": c.url})
+        assert r.status_code == 201, r.text
+        assert r.json()["healthy"] is False and "next publish" in r.json()["last_error"]
+        assert not [p for p, _ in c.calls if p == "/update_weights_from_disk"]  # no folder to load
+        for cred in gw.group(4)["sessions"]:
+            chat(gw, cred)
+        assert not c.requests
+        plan, r = publish(gw, 2)
+        assert r.status_code == 200 and len(plan["groups"]) == 2
+        assert c.weight_version == "2" and health(gw)[c.url]["healthy"] is True
