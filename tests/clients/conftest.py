@@ -1,10 +1,11 @@
-"""One stack for the client tests, started once per pytest session.
+"""One stack for the client tests, started once for this package's tests.
 
-`tuned_model`: the tiny model fine-tuned to call the calculate tool, think, and answer (tests/clients/
-model.py), cached in pytest's cache folder by a hash of what makes it. `stack`: `rollway engine` on it, a
-recording proxy, and `rollway serve --backend <proxy>` on a SQLite file; `stack.new_session()` creates a
-greedy group of one session and hands back its credentials; `assert_engine_chain` checks that what the
-gateway stored for a session is exactly what the engine generated, as one token chain.
+`tuned_model` (once per pytest session): the tiny model fine-tuned to think, call the calculate tool and
+answer (tests/clients/model.py), cached in pytest's cache folder by a hash of what makes it. `stack`:
+`rollway engine` on it, a recording proxy, and `rollway serve --backend <proxy>` on a SQLite file;
+`stack.new_session()` creates a greedy group of one session and hands back its credentials;
+`assert_engine_chain` checks that what the gateway stored for a session is exactly what the engine
+generated, as one token chain.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def tuned_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     return make_tuned_model(folder, log=sys.stderr)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # not held through the rest of a whole-suite run
 def stack(tuned_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     from rollway.embedded import engine_process, free_port, stop, wait_healthy
 
