@@ -326,7 +326,24 @@ def main() -> None:
                     help="micro_batch_tokens to measure (default: two small ones and the trainer's default)")  # fmt: skip
     ap.add_argument("--max-gib", type=float, default=7.0, help="skip a memory run whose peak would pass this")
     ap.add_argument("--memory-worker", nargs=2, metavar=("WAY", "TOKENS"), help=argparse.SUPPRESS)
+    ap.add_argument("--lora", action="store_true", help="instead: step time and memory, full weights vs LoRA")
+    ap.add_argument("--publish", action="store_true",
+                    help="instead: publish end to end (gateway + engine), full disk vs LoRA adapter, fsync or not")
+    ap.add_argument("--lora-worker", nargs=2, metavar=("KIND", "SIZE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.lora_worker or args.lora or args.publish:  # benchmarks/trainer_lora.py
+        from benchmarks import trainer_lora
+
+        if args.lora_worker:
+            trainer_lora.step_worker(args.lora_worker[0], args.lora_worker[1], args.reps)
+            return
+        sizes = args.sizes.split(",")
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            steps = {s: trainer_lora.bench_steps(s, args.reps) for s in sizes} if args.lora else None
+            publish = ({s: trainer_lora.bench_publish(s, args.reps, Path(tmp) / s) for s in sizes}
+                       if args.publish else None)
+        trainer_lora.report(steps, publish)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_worker:

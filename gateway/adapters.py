@@ -154,6 +154,14 @@ class Adapters:
         self._schedule(UNLOAD_DELAY_S, evicted)
         return evicted
 
+    def full_published(self) -> None:
+        """A full-weights publish: no adapter is served any more; the loaded ones are unloaded."""
+        if self.current is None:
+            return
+        self.current = None
+        self.pins.clear()
+        self._schedule(UNLOAD_DELAY_S, list(self.loaded))
+
     # -- unloading ----------------------------------------------------------------------------------
 
     def _schedule(self, delay: float, evicted: list[int]) -> None:

@@ -59,6 +59,7 @@ class Publisher:
                 self.pool.mark_failed(by_id[bid], f"weight load failed: {failed[bid]}")
                 log.error("backend %s failed to load version %d: %s", bid, version, failed[bid])
             await self.leases.publish(version, model_path, batch_ids, results, failed)
+            self.adapters.full_published()  # full weights replace any adapter: generation goes to the base again
             seconds = time.perf_counter() - t0
         self.metrics.publish_seconds.observe(seconds)
         self.metrics.weight_version.set(version)

@@ -39,19 +39,6 @@ def _lora_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-paths", nargs="+", default=[], metavar="NAME=PATH", help="adapters loaded at start")
 
 
-def _lora_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """SGLang's LoRA flags on `rollway engine` (engine/lora.py; imported lazily: the CLI starts without torch)."""
-    g = parser.add_argument_group("LoRA adapters (SGLang's flags)")
-    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)")
-    g.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME",
-                   help="linears adapters may target (default q_proj k_proj v_proj o_proj; 'all')")
-    g.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a higher rank")
-    g.add_argument("--max-loaded-loras", type=int, default=None,
-                   help="adapters kept loaded; a load past it unloads the least recently used one")
-    g.add_argument("--max-loras-per-batch", type=int, default=8, help="accepted for SGLang compatibility")
-    g.add_argument("--lora-paths", nargs="+", default=[], metavar="NAME=PATH", help="adapters loaded at start")
-
-
 def _init_model(args: argparse.Namespace) -> int:
     if args.arch is None:
         if args.tokenizer is not None:

@@ -74,8 +74,9 @@ def save_dtype(config: object) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
-def export_hf(model: nn.Module, source_dir: str | Path, dest: str | Path) -> Path:
+def export_hf(model: nn.Module, source_dir: str | Path, dest: str | Path, *, fsync: bool = True) -> Path:
     """Write an HF folder (safetensors, config, tokenizer) at `dest` atomically. Collective; returns dest.
+    `fsync=False` (benchmarks/trainer.py --publish) leaves the flush to the OS.
 
     Tied embeddings: the tied `lm_head.weight` is left out (HF re-ties it on load from
     `tie_word_embeddings`), as `save_pretrained` does.
@@ -97,12 +98,14 @@ def export_hf(model: nn.Module, source_dir: str | Path, dest: str | Path) -> Pat
             src = Path(source_dir) / name
             if src.is_file():
                 shutil.copyfile(src, tmp / name)
-        _fsync_tree(tmp)
+        if fsync:
+            _fsync_tree(tmp)
         # A leftover here is from a crashed run, never published: a published version is never reused.
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+        if fsync:
+            _fsync_dir(dest.parent)
     _barrier()
     return dest
 
