@@ -8,8 +8,8 @@ finish `abort`), `Generation.client_gone` stops `generate` from resubmitting it,
 stored as the streaming path stores one: finish reason `abort`, `client_disconnected`.
 
 `run_to_end` is what every non-streaming route calls (chat, completions, responses, and any route that
-prepares a turn with `TurnService.prepare`); the watcher costs one task per call, cancelled when the
-generation ends.
+prepares a turn with `TurnService.prepare`); the watcher costs a timer per call, and a task only for a
+generation that runs longer than `WATCH_AFTER_S`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from gateway.turns import FinishedTurn, PreparedTurn, TurnService
 
 log = logging.getLogger("rollway.gateway")
 
+WATCH_AFTER_S = 0.05
+"""The generation's age when the watcher starts: a client that leaves is noticed at most this late."""
 ABORT_RETRY_S = 0.25
 """An abort that reached the backend before the request did finds nothing to abort: it is sent again this
 often until the generation has ended."""
@@ -40,9 +42,7 @@ async def run_to_end(request: Request, prepared: PreparedTurn) -> tuple[Generati
     backend request and leaves the partial turn recorded (`client_disconnected`)."""
     state = request.app.state
     gen = Generation()
-    done = asyncio.Event()
-    watch: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
-    watch.add_done_callback(lambda w: _on_message(w, gen, state.pool, done))
+    watch = _Watch(request, gen, state.pool)
     try:
         async for _ in generate(
             state.pool, session_id=prepared.auth.id, group_id=prepared.auth.group_id,
@@ -52,14 +52,39 @@ async def run_to_end(request: Request, prepared: PreparedTurn) -> tuple[Generati
         ):
             pass
     finally:
-        done.set()
-        watch.cancel()
+        watch.stop()
     turns: TurnService = state.turns
     finished = await turns.finish(prepared, gen, client_disconnected=gen.client_gone)
     if gen.client_gone:
         log.info("client left turn %s after %d tokens: backend request aborted, partial turn stored",
                  prepared.turn_id, len(gen.ids))
     return gen, finished
+
+
+class _Watch:
+    """Waits on the request's receive channel once the generation has run `WATCH_AFTER_S`: most replies end
+    before that, and a timer is far cheaper on the hot path than the task a wait needs. A client that left
+    earlier is seen at once then (the channel already holds its `http.disconnect`)."""
+
+    __slots__ = ("done", "gen", "pool", "receive", "task", "timer")
+
+    def __init__(self, request: Request, gen: Generation, pool: BackendPool) -> None:
+        self.receive = request.receive
+        self.gen = gen
+        self.pool = pool
+        self.done = asyncio.Event()
+        self.task: asyncio.Future[Any] | None = None
+        self.timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self.task = asyncio.ensure_future(self.receive())
+        self.task.add_done_callback(lambda w: _on_message(w, self.gen, self.pool, self.done))
+
+    def stop(self) -> None:
+        self.done.set()
+        self.timer.cancel()
+        if self.task is not None:
+            self.task.cancel()
 
 
 def _on_message(watch: asyncio.Future[Any], gen: Generation, pool: BackendPool, done: asyncio.Event) -> None:

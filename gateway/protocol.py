@@ -57,9 +57,15 @@ Rule = tuple[Callable[[Any], bool], str]
 def refuse_unsupported(model: BaseModel, rules: Mapping[str, Rule]) -> None:
     """400 for a field, declared or unknown, whose value asks for what the gateway does not do, where ignoring
     it would answer something other than what the client asked (docs/conformance-openai.md)."""
-    extra = model.model_extra or {}
+    extra = model.model_extra
+    declared = type(model).model_fields
     for name, (asks, why) in rules.items():
-        value = getattr(model, name, None) if name in type(model).model_fields else extra.get(name)
+        if name in declared:
+            value = getattr(model, name)
+        elif extra:
+            value = extra.get(name)
+        else:
+            continue
         if value is not None and asks(value):
             raise BadRequest(f"{name} is not supported: {why}", param=name)
 
