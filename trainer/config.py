@@ -101,6 +101,18 @@ class TrainConfig:
     """Training checkpoints kept on disk (oldest removed)."""
     keep_weights: int = 3
     """Published HF weight folders kept on disk (oldest removed; the gateway may still read the last)."""
+    weight_sync: Literal["disk", "distributed"] = "disk"
+    """disk: write an HF folder every server reads at the same path (a shared filesystem); distributed: broadcast
+    the weights to every server over torch process groups (no shared disk; NCCL on GPUs, gloo on CPU), with the
+    disk path as the fallback when no server takes them (docs/scaling.md "Two ways to publish")."""
+    weight_sync_address: str = "127.0.0.1"
+    """distributed: this host's address as the inference servers reach it (the groups' TCP stores listen here)."""
+    weight_sync_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """distributed: the collective backend; auto = nccl when CUDA is available, else gloo."""
+    weight_sync_bucket_mb: float = 512.0
+    """distributed: megabytes per broadcast bucket (one flat tensor, one server call each)."""
+    weight_sync_timeout: float = 120.0
+    """distributed: seconds each rendezvous, broadcast and server call may take before it fails."""
 
     # --- LoRA (trainer/lora.py) ---
     lora_rank: int = 0

@@ -85,7 +85,7 @@ class GatewayPipeline(Generic[T]):
         batch = future.result().value
         return batch, time.perf_counter() - t0
 
-    def publish(self, held: dict[str, list[str]], version: int, path: Path, durable: bool) -> tuple[dict[str, list[str]], float]:
+    def publish(self, held: dict[str, list[str]], version: int, path: Path | Any, durable: bool) -> tuple[dict[str, list[str]], float]:
         """Hand the publish of `version` to the publish thread, after the previous one finished. Returns the
         leases still held once this publish is done (as `commit` decides: all of them acked when `durable`) and
         how long the caller waited for the previous publish."""

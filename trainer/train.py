@@ -46,6 +46,7 @@ from trainer.metrics import MetricsSink
 from trainer.pipeline import GatewayPipeline
 from trainer.plot import plot_rewards
 from trainer.step import make_optimizer, rl_step
+from trainer.weight_sync import SyncPayload, sync_options
 
 log = logging.getLogger("trainer")
 
@@ -101,20 +102,27 @@ def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, vers
     return out
 
 
+def _send(client: GatewayClient, version: int, path: Path | SyncPayload, batch_ids: list[str] | None,
+          results: dict[str, str]) -> int:
+    if isinstance(path, SyncPayload):  # --weight-sync distributed: broadcast over process groups
+        return path.publish(client, version, batch_ids or [], results)
+    return client.publish(version, publish_path(path), batch_ids, results)
+
+
 def commit(
     client: GatewayClient,
     renewer: LeaseRenewer,
     held: dict[str, list[str]],
     version: int,
-    path: Path,
+    path: Path | SyncPayload,
     durable: bool,
 ) -> dict[str, list[str]]:
     """Publish `version`. If the step is durable, every held batch is acked inside the publish (one
     transaction with the version bump). Returns what is still held."""
     if not durable or not held:
-        client.publish(version, publish_path(path), None, {})
+        _send(client, version, path, None, {})
         return held
-    client.publish(version, publish_path(path), list(held), {g: "trained" for ids in held.values() for g in ids})
+    _send(client, version, path, list(held), {g: "trained" for ids in held.values() for g in ids})
     for batch_id in held:
         renewer.release(batch_id)
     return {}
@@ -125,7 +133,7 @@ def _next_batch(pipe: GatewayPipeline[StepBatch] | None, version: int) -> tuple[
     return pipe.next_batch(version)
 
 
-def _publish(pipe: GatewayPipeline[StepBatch] | None, held: dict[str, list[str]], version: int, path: Path,
+def _publish(pipe: GatewayPipeline[StepBatch] | None, held: dict[str, list[str]], version: int, path: Path | SyncPayload,
              durable: bool) -> tuple[dict[str, list[str]], float]:
     assert pipe is not None
     return pipe.publish(held, version, path, durable)
@@ -239,8 +247,11 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
                     trainable_only=bool(cfg.lora_rank),
                 )
             t2 = time.perf_counter()
+            path: Path | SyncPayload
             if cfg.lora_rank:  # only the adapter is published (trainer/lora.py)
                 path = export_adapter(model, cfg, source, out / "adapters" / f"v{version:06d}")
+            elif cfg.weight_sync == "distributed":  # gathered on rank 0, broadcast by the publish thread
+                path = SyncPayload.gather(model, source, sync_options(cfg, out))
             else:
                 path = export_hf(model, source, out / "weights" / f"v{version:06d}")
             t3 = time.perf_counter()

@@ -152,6 +152,13 @@ class SyncOptions:
         return self.backend
 
 
+def sync_options(cfg: Any, out: Path) -> SyncOptions:
+    """From the trainer's config (`weight_sync_*`); the disk fallback writes under `out/weights`."""
+    return SyncOptions(address=cfg.weight_sync_address, backend=cfg.weight_sync_backend,
+                       bucket_bytes=max(1, int(cfg.weight_sync_bucket_mb * (1 << 20))),
+                       timeout=cfg.weight_sync_timeout, fallback_dir=out / "weights")
+
+
 class SyncPayload:
     """A step's weights for a process-group publish: the flat buckets (rank 0; nothing on the other ranks), the
     model's config, and the folder the tokenizer files come from (for the disk fallback)."""
