@@ -151,6 +151,12 @@ async def build(url: str, n_sessions: int) -> str:
             for i in range(0, len(turns), 20):
                 await conn.execute(T.insert(), turns[i:i + 20])  # type: ignore[attr-defined]
             await conn.execute(K.insert().values(key=MARK, value={"big_session": big}))  # type: ignore[attr-defined]
+        if engine.dialect.name == "postgresql":  # what autovacuum would do soon after a run's first hour
+            from sqlalchemy import text
+
+            async with engine.connect() as conn:
+                await conn.execute(text("ANALYZE"))
+                await conn.commit()
         print(f"built {url.split('@')[-1]}: {len(groups)} groups, {len(sessions)} sessions, {BIG_TURNS} turns "
               f"in {time.monotonic() - t:.1f} s", flush=True)
         return big

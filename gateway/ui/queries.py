@@ -121,7 +121,9 @@ def mean_reward() -> Any:
         .scalar_subquery()
 
 
-def _where(f: GroupFilter, dialect: str) -> list[Any]:
+def _where(f: GroupFilter, dialect: str, mean: bool = True) -> list[Any]:
+    """The filter's conditions on groups; the reward range (with `mean`) as the correlated aggregate, which a
+    page that stops at its 50th match evaluates for few groups."""
     conds: list[Any] = []
     if f.state:
         conds.append(G.c.state == f.state)
@@ -136,12 +138,14 @@ def _where(f: GroupFilter, dialect: str) -> list[Any]:
         eval_version = (func.json_extract(meta, "$.eval_version") == f.version if dialect == "sqlite"
                         else meta.op("->>")(literal("eval_version")) == str(f.version))
         conds.append(or_(G.c.trained_version == f.version, and_(G.c.is_eval.is_(True), eval_version)))
-    if f.reward_min is not None or f.reward_max is not None:
-        mean = mean_reward()
-        if f.reward_min is not None:
-            conds.append(mean >= f.reward_min)
-        if f.reward_max is not None:
-            conds.append(mean <= f.reward_max)
+    if mean and (f.reward_min is not None or f.reward_max is not None):
+        avg = mean_reward()  # one reference: each reference is one more evaluation per group (0.14 -> 0.05 s)
+        if f.reward_min is not None and f.reward_max is not None:
+            conds.append(avg.between(f.reward_min, f.reward_max))
+        elif f.reward_min is not None:
+            conds.append(avg >= f.reward_min)
+        else:
+            conds.append(avg <= f.reward_max)
     return conds
 
 
@@ -209,9 +213,21 @@ def reward_stats(sessions: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def count_groups(engine: DbEngine, f: GroupFilter) -> int:
+    """How many groups match. With a reward filter every group's mean is needed: the matching group ids come
+    from one grouped pass over ix_sessions_group_id_reward, checked as a hashed set (`IN (...) IS TRUE` keeps
+    PostgreSQL from turning it into a join it misplans: the correlated aggregate took 0.9 s there, a join
+    after a misestimated task filter 2.3 s, this 0.08 s)."""
+    conds = _where(f, engine.dialect.name, mean=False)
+    if f.reward_min is not None or f.reward_max is not None:
+        lo = f.reward_min if f.reward_min is not None else -math.inf
+        hi = f.reward_max if f.reward_max is not None else math.inf
+        mean = func.avg(S.c.reward)
+        having = mean.between(lo, hi) if math.isfinite(lo) and math.isfinite(hi) else (mean >= lo if math.isfinite(lo)
+                                                                                       else mean <= hi)
+        ids = select(S.c.group_id).where(S.c.reward.is_not(None)).group_by(S.c.group_id).having(having)
+        conds.append(G.c.id.in_(ids).is_(True))
     async with engine.connect() as conn:
-        return int((await conn.execute(select(func.count()).select_from(G).where(*_where(f, engine.dialect.name))))
-                   .scalar_one())
+        return int((await conn.execute(select(func.count()).select_from(G).where(*conds))).scalar_one())
 
 
 async def drop_reasons(engine: DbEngine) -> list[str]:

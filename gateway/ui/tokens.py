@@ -14,6 +14,7 @@ pages of a 200-turn session are sliced from memory after the first request.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import math
 from array import array
@@ -176,6 +177,8 @@ class ChainCache:
     def __init__(self, size: int = 8) -> None:
         self.size = size
         self._items: collections.OrderedDict[tuple[str, int], Entry] = collections.OrderedDict()
+        self.pending: dict[tuple[str, int], asyncio.Task[Entry]] = {}
+        """Builds in flight, so that concurrent requests for one session wait for one build."""
 
     def get(self, key: tuple[str, int]) -> Entry | None:
         chains = self._items.get(key)

@@ -19,8 +19,10 @@ from tests.harness import ADMIN_KEY
 CHROMIUM = os.environ.get("ROLLWAY_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    """Per module: Playwright's sync API keeps an event loop running in this thread while it lives, and the
+    database fixtures of later modules call asyncio.run."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
     if not Path(CHROMIUM).is_file():
         pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set ROLLWAY_CHROMIUM)")

@@ -182,6 +182,7 @@ def test_session_page_and_drift(admin_page: Any, run: tuple[LiveGateway, Filled,
     main = page.locator("#tokens .tok.diverge")
     assert main.count() == 1 and f"token {k} " in main.get_attribute("title")
     page.screenshot(path=str(shots / "session-drift.png"), full_page=True)
+    page.locator("#token-view").screenshot(path=str(shots / "session-token-view.png"))
 
 
 def test_token_view_marks_version_boundary(admin_page: Any, run: tuple[LiveGateway, Filled, FakeSGLang], shots: Path) -> None:
