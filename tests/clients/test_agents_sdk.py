@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 QUESTION = "What is 12+7?"
 
 
-async def _run_streamed(s: ClientSession, calls: list[str], **settings: Any) -> tuple[Any, list[Any]]:
+async def _run_streamed(s: ClientSession, calls: list[str], agent_input: Any = QUESTION,
+                        **settings: Any) -> tuple[Any, list[Any]]:
     from openai import AsyncOpenAI
 
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
@@ -36,7 +37,7 @@ async def _run_streamed(s: ClientSession, calls: list[str], **settings: Any) -> 
         agent = Agent(name="calculator", instructions=model.SYSTEM, tools=[calculate],
                       model=OpenAIResponsesModel(model="policy", openai_client=client),
                       model_settings=ModelSettings(max_tokens=128, **settings))
-        result = Runner.run_streamed(agent, input=QUESTION, max_turns=4)
+        result = Runner.run_streamed(agent, input=agent_input, max_turns=4)
         events = [e async for e in result.stream_events()]
     finally:
         await client.close()
@@ -107,3 +108,17 @@ def test_run_streamed_with_tool_choice_required(stack: Stack) -> None:
     assert forced["sampling_params"].get("structural_tag"), forced["sampling_params"]
     assert not free["sampling_params"].get("structural_tag"), free["sampling_params"]
     assert_engine_chain(stack, s.id, since, turns=2)
+
+
+def test_a_second_run_on_the_first_runs_items_extends_the_chain(stack: Stack) -> None:
+    """A chat app's next message: `result.to_input_list()` (reasoning, call, output and answer items as the
+    SDK keeps them) plus a new user message, streamed again; all the turns are one chain."""
+    s, since = stack.new_session(), stack.proxy.mark()
+    calls: list[str] = []
+    first, _ = asyncio.run(asyncio.wait_for(_run_streamed(s, calls), timeout=600))
+    again = [*first.to_input_list(), {"role": "user", "content": "What is 3*4?"}]
+    second, _ = asyncio.run(asyncio.wait_for(_run_streamed(s, calls, agent_input=again), timeout=600))
+    assert first.final_output == model.ANSWER and isinstance(second.final_output, str)
+    # Whatever the model does with a second question (it was never taught one), every turn extends the chain:
+    # two of the first run, one per call of the second and its final answer.
+    assert_engine_chain(stack, s.id, since, turns=2 + (len(calls) - 1) + 1)
