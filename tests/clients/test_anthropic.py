@@ -238,3 +238,23 @@ def test_count_tokens_is_the_prompt_the_turn_stores(stack: Stack) -> None:
     client(s).messages.create(**request, max_tokens=128)
     [turn] = assert_engine_chain(stack, s.id, since, turns=1)["turns"]
     assert counted.input_tokens == len(turn["prompt_ids"])
+
+
+def test_the_conversation_goes_on_after_the_answer(stack: Stack) -> None:
+    """After tool use and the final answer, the agent's next user message (the whole history sent back,
+    thinking blocks and their signatures included) extends the same chain."""
+    s, since = stack.new_session(), stack.proxy.mark()
+    first = client(s).messages.create(model="policy", max_tokens=2048, thinking=THINKING, system=SYSTEM,
+                                      tools=TOOLS, messages=[{"role": "user", "content": QUESTION}])
+    use = first.content[-1]
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": [{"type": "text", "text": calculate(str(use.input["expression"]))}]}]}]
+    second = client(s).messages.create(model="policy", max_tokens=2048, thinking=THINKING, system=SYSTEM,
+                                       tools=TOOLS, messages=history)
+    history += [{"role": "assistant", "content": second.content}, {"role": "user", "content": "And 3*4?"}]
+    third = client(s).messages.create(model="policy", max_tokens=2048, thinking=THINKING, system=SYSTEM,
+                                      tools=TOOLS, messages=history)
+    assert third.stop_reason in ("tool_use", "end_turn")
+    assert_engine_chain(stack, s.id, since, turns=3)
