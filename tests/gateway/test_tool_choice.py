@@ -189,3 +189,29 @@ def test_responses_named_function(gateway: LiveGateway, fake: FakeSGLang, tokeni
     assert fmt["stop_after_first"] is True
     assert fmt["tags"] == [hermes_tag("get_weather", WEATHER["function"]["parameters"])]
     assert [o.name for o in r.output if o.type == "function_call"] == ["get_weather"]
+
+
+def test_the_trainers_option_reaches_the_lease(gateway: LiveGateway, fake: FakeSGLang, tokenizer: Any) -> None:
+    """`rollway train --train_constrained_turns` (or ROLLWAY_TRAIN_CONSTRAINED_TURNS): the trainer's real client
+    sends it with the lease, and the constrained call's tokens come back trained."""
+    from tests.harness import ADMIN_KEY
+    from trainer.client import GatewayClient
+    from trainer.config import load_config
+
+    cfg = load_config(overrides={"gateway": gateway.url}, environ={"ROLLWAY_TRAIN_CONSTRAINED_TURNS": "true"})
+    assert cfg.train_constrained_turns is True
+    assert load_config(overrides={"gateway": gateway.url}, environ={}).train_constrained_turns is False
+    while gateway.admin.post("/v1/batches", json={"max_groups": 64}).json()["groups"]:
+        pass
+    for cred in gateway.group(2)["sessions"]:
+        play_forced(gateway, fake, tokenizer, cred)
+    with GatewayClient(gateway.url, ADMIN_KEY) as c:
+        lease = c.lease(max_groups=8, lease_seconds=60, wait_seconds=0, groups_per_step=8,
+                        max_head_offpolicyness=-1, trainer_version=0,
+                        train_constrained_turns=cfg.train_constrained_turns)
+    assert lease is not None
+    (group,) = lease.groups
+    for sample in group.samples:
+        turns = gateway.session(sample.session_id)["turns"]
+        trained = [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m]
+        assert trained == turns[0]["completion_ids"] + turns[1]["completion_ids"]
