@@ -224,6 +224,7 @@ def chat_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | None
         return None
     out = []
     for i, t in enumerate(tools):
+        note_unknown_fields(t, "messages.tools")
         if t.type not in (None, "custom"):
             raise BadRequest(f"tools.{i}.type: {t.type!r} is a server tool, run on Anthropic's side; only client "
                              "tools (name, description, input_schema) are supported", param=f"tools.{i}.type")

@@ -110,7 +110,6 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
-    service_tier: str | None = None
 
 
 REFUSED_FIELDS = {
