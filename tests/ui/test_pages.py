@@ -233,6 +233,7 @@ def test_session_page_refreshes_live(admin_page: Any, run: tuple[LiveGateway, Fi
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "two"}], max_tokens=5)
     page.wait_for_selector("#turn-2", timeout=15_000)  # no reload: the page polls
     assert page.inner_text("#session-turns") == "2"
+    page.wait_for_function("() => document.querySelectorAll('#chains-body tr[data-chain]').length === 2")
 
 
 def test_session_key_sees_only_its_session(browser: Any, run: tuple[LiveGateway, Filled, FakeSGLang]) -> None:

@@ -125,6 +125,7 @@
     }));
   }
   loadChains();
+  document.addEventListener("rollway:turns", () => loadChains());
   // #tokens=last | #tokens=turn:<id> | #tokens=chain:<leaf id>: open the token view on load.
   const m = location.hash.match(/^#tokens=(last|turn:(.+)|chain:(.+))$/);
   if (m) {

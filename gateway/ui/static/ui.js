@@ -200,6 +200,7 @@ const UI = (() => {
       if (s.turn_count !== turns) {
         turns = s.turn_count;
         document.getElementById("turns").innerHTML = await getText(`${location.pathname}?fragment=1`);
+        document.dispatchEvent(new Event("rollway:turns"));  // the token view reloads its chains
       }
     }, 3000);
     document.getElementById("copy-json").addEventListener("click", async () => {
