@@ -44,7 +44,7 @@
       row.className = "tokens";
       ids.forEach((id, j) => {
         const at = d.context_start + j;
-        row.appendChild(span(text[j], at === d.index ? "diverge" : at < d.index ? "prompt" : "untrained",
+        row.appendChild(span(text[j], at === d.index ? "prompt diverge" : "prompt",
           `#${id} at ${at}` + (at === d.index ? " — first divergent token" : "")));
       });
       if (!ids.length || d.context_start + ids.length <= d.index) row.appendChild(mark("dim", " (ends here)"));
