@@ -34,8 +34,8 @@ def session_record(session: dict[str, Any], rows: list[TurnRow]) -> dict[str, An
         turns.append({
             "id": r.id, "seq": r.seq, "parent_id": r.parent_id, "continuity": r.continuity,
             "chain_reason": r.chain_reason, "finish_reason": r.finish_reason,
-            "client_disconnected": r.client_disconnected, "reward": r.reward, "temperature": r.temperature,
-            "request": r.request, "reply": r.reply,
+            "client_disconnected": r.client_disconnected, "constrained": r.constrained,
+            "reward": r.reward, "temperature": r.temperature, "request": r.request, "reply": r.reply,
             "prompt_ids": prompt, "prompt_delta_len": len(delta), "completion_ids": completion,
             "logprobs": unpack(r.logprobs, "float32"), "versions": unpack(r.versions, "int32"),
             "timings": r.timings,

@@ -38,8 +38,7 @@ def _forced_call(stack: Stack, tools: list[dict[str, Any]], tool_choice: Any, co
     assert any(sent["sampling_params"].get(k) for k in GRAMMAR_KEYS), sent["sampling_params"]
     [turn] = assert_engine_chain(stack, s.id, since, turns=1)["turns"]
     assert turn["id"] == r.id
-    if "constrained" in turn:  # recorded as decoded under a grammar (kept out of the loss by default)
-        assert turn["constrained"] is True
+    assert turn["constrained"] is True  # recorded as decoded under a grammar (kept out of the loss by default)
     return r.choices[0], turn
 
 

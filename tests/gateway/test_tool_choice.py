@@ -162,6 +162,7 @@ def test_constrained_tokens_are_out_of_the_loss_unless_asked(
             tokens, mask = decode_array(sample["token_ids"]), decode_array(sample["loss_mask"])
             trained = [t for t, m in zip(tokens, mask, strict=True) if m]
             free, forced = turns[0]["completion_ids"], turns[1]["completion_ids"]
+            assert [t["constrained"] for t in turns] == [False, True]  # the session record says which
             assert tokens == turns[1]["prompt_ids"] + forced
             assert trained == (free + forced if body else free)
         gateway.admin.post(f"/v1/batches/{batch['batch_id']}/ack", json={"results": {}})
