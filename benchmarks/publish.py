@@ -1,0 +1,184 @@
+"""Publish benchmark: how long a new version takes to reach the servers, end to end, by each way of publishing.
+
+    python benchmarks/publish.py                  # ~100M-parameter Qwen2 (benchmarks/trainer.py's "100m"), 2 engines
+    python benchmarks/publish.py --size tiny --backends 1 --reps 2
+
+A publish is timed from the end of the trainer's step (the trained model in memory on rank 0's process) to every
+backend generating with the new version: the gather / export, the gateway's pause, the load on each server, the
+continue, and one /generate per server that answers with the new `weight_version`. Real processes: `rollway
+engine` servers (CPU) behind `rollway serve`; the trainer's side runs here (world size 1, gloo).
+
+- disk, fsync:    `export_hf` (safetensors + config + tokenizer, fsync, atomic rename), POST /v1/weights; each
+                  server reads the folder (`/update_weights_from_disk`)
+- disk, no fsync: the same with the fsyncs skipped (a filesystem that acknowledges writes before they are durable)
+- process group:  `SyncPayload.gather` + `publish` (trainer/weight_sync.py): POST /v1/weights/sync/init and
+                  /v1/weights/sync, one gloo group per server, buckets of --bucket-mb
+
+bytes/s = the weights' bytes (what is broadcast, about the safetensors file) / seconds. Target: process group
+<= 0.5x disk. `ROWS` maps a row name to a function (ctx, version) -> bytes published: another way to publish (a
+LoRA adapter's) adds its row there. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_procs import Procs  # noqa: E402
+from benchmarks.trainer import make_model  # noqa: E402
+from rollway import paths  # noqa: E402
+from rollway.embedded import free_port, wait_healthy  # noqa: E402
+from trainer import checkpoint  # noqa: E402
+from trainer.client import GatewayClient  # noqa: E402
+from trainer.weight_sync import SyncOptions, SyncPayload  # noqa: E402
+
+ADMIN = "rw-admin-bench-publish"
+
+
+@dataclass
+class Ctx:
+    model: Any
+    source: Path
+    out: Path
+    client: GatewayClient
+    engines: list[str]
+    bucket_bytes: int
+
+
+def _disk(fsync: bool) -> Callable[[Ctx, int], int]:
+    def run(ctx: Ctx, version: int) -> int:
+        saved = checkpoint._fsync_tree, checkpoint._fsync_dir
+        if not fsync:
+            checkpoint._fsync_tree = checkpoint._fsync_dir = lambda path: None  # type: ignore[assignment]
+        try:
+            path = checkpoint.export_hf(ctx.model, ctx.source, ctx.out / "weights" / f"v{version:06d}")
+        finally:
+            checkpoint._fsync_tree, checkpoint._fsync_dir = saved
+        answer = ctx.client._request("POST", "/v1/weights", json={"version": version, "model_path": str(path)},
+                                     timeout=600).json()
+        assert not answer["failed_backends"], answer
+        return (path / "model.safetensors").stat().st_size
+
+    return run
+
+
+def _process_group(ctx: Ctx, version: int) -> int:
+    opts = SyncOptions(address="127.0.0.1", backend="gloo", bucket_bytes=ctx.bucket_bytes, timeout=300)
+    payload = SyncPayload.gather(ctx.model, ctx.source, opts)
+    payload.publish(ctx.client, version, [], {})
+    return payload.nbytes
+
+
+ROWS: dict[str, Callable[[Ctx, int], int]] = {
+    "disk, fsync": _disk(True),
+    "disk, no fsync": _disk(False),
+    "process group (gloo)": _process_group,
+}
+
+
+def generating(engines: list[str], version: int) -> None:
+    """Each server answers a /generate with the new version (what an agent would next see)."""
+    for url in engines:
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        got = httpx.post(url + "/generate", json=body, timeout=300).json()["meta_info"]["weight_version"]
+        assert got == str(version), (url, got, version)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="100m", choices=["tiny", "100m"])
+    ap.add_argument("--backends", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=float, default=512.0)
+    ap.add_argument("--rows", nargs="*", default=list(ROWS))
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    work = Path(tempfile.mkdtemp(prefix="rollway-bench-publish-"))
+    procs = Procs(work)
+    try:
+        from engine.tiny_model import create_tiny_model
+
+        tok = create_tiny_model(work / "tok", seed=0)
+        source = work / "model"
+        n_params = make_model(args.size, source)
+        for name in paths.TOKENIZER_FILES:
+            if (tok / name).is_file():
+                shutil.copyfile(tok / name, source / name)
+        env = {"ROLLWAY_ADMIN_KEY": ADMIN, "OMP_NUM_THREADS": "1"}
+        engines = []
+        for i in range(args.backends):
+            port = free_port()
+            procs.start(f"engine{i}", [sys.executable, "-m", "rollway.cli", "engine", "--model", str(source),
+                                       "--port", str(port)], env)
+            engines.append(f"http://127.0.0.1:{port}")
+        gw_port = free_port()
+        cmd = [sys.executable, "-m", "rollway.cli", "serve", "--tokenizer", str(source), "--port", str(gw_port),
+               "--db", f"sqlite:///{work / 'gw.db'}", "--data-dir", str(work / "data")]
+        for url in engines:
+            cmd += ["--backend", url]
+        gateway = procs.start("gateway", cmd, {**env, "ROLLWAY_HEALTH_INTERVAL_S": "1"})
+        for i, url in enumerate(engines):
+            wait_healthy(url, procs.procs[f"engine{i}"], timeout=600)
+        wait_healthy(f"http://127.0.0.1:{gw_port}", gateway, timeout=600)
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        deadline = time.monotonic() + 300
+        while not all(b["healthy"] for b in httpx.get(f"http://127.0.0.1:{gw_port}/v1/backends", headers=admin,
+                                                      timeout=30).json()["data"]):
+            assert time.monotonic() < deadline, "the gateway did not take every engine in"
+            time.sleep(0.5)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+        client = GatewayClient(f"http://127.0.0.1:{gw_port}", ADMIN, timeout=600)
+        ctx = Ctx(model, source, work / "out", client, engines, max(1, int(args.bucket_mb * (1 << 20))))
+        results: dict[str, dict[str, float]] = {}
+        version = 0
+        for rep in range(args.reps):
+            for name in args.rows:
+                version += 1
+                with torch.no_grad():  # "a step": the weights change, so every publish carries new values
+                    next(model.parameters()).add_(1e-3)
+                t0 = time.perf_counter()
+                nbytes = ROWS[name](ctx, version)
+                generating(engines, version)
+                seconds = time.perf_counter() - t0
+                results.setdefault(name, {"bytes": nbytes, "runs": []})["runs"].append(seconds)  # type: ignore[attr-defined]
+                print(f"  rep {rep} {name}: {seconds:.3f} s", flush=True)
+        base = statistics.median(results["disk, fsync"]["runs"]) if "disk, fsync" in results else None  # type: ignore[arg-type]
+        print(f"\npublish, end to end: {args.size} ({n_params / 1e6:.1f}M parameters), {args.backends} CPU engine(s), "
+              f"median of {args.reps}, {os.cpu_count()} cores")
+        print(f"{'way':<24} {'seconds':>8} {'MB':>8} {'MB/s':>8} {'x disk+fsync':>13}")
+        table = {}
+        for name, r in results.items():
+            sec = statistics.median(r["runs"])  # type: ignore[arg-type]
+            row = {"seconds": round(sec, 3), "bytes": int(r["bytes"]), "bytes_per_s": round(r["bytes"] / sec),
+                   "vs_disk_fsync": round(sec / base, 3) if base else None,
+                   "runs": [round(x, 3) for x in r["runs"]]}  # type: ignore[union-attr]
+            table[name] = row
+            ratio = f"{row['vs_disk_fsync']:.2f}x" if base else "-"
+            print(f"{name:<24} {sec:>8.3f} {r['bytes'] / 1e6:>8.1f} {r['bytes'] / sec / 1e6:>8.1f} {ratio:>13}")
+        print(json.dumps({"benchmark": "publish", "size": args.size, "parameters": n_params, "backends": args.backends,
+                          "reps": args.reps, "bucket_mb": args.bucket_mb, "rows": table}))
+    finally:
+        procs.stop_all()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
