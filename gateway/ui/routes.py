@@ -8,8 +8,9 @@ import json
 import math
 import time
 import urllib.parse
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 from fastapi import APIRouter, Request
@@ -18,6 +19,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from gateway.errors import BadRequest, GatewayError, NotFound
 from gateway.records import session_record
 from gateway.routes.common import json_response
+from gateway.store.db import InLoopEngine
 from gateway.store.store import Store
 from gateway.ui import overview as overview_data
 from gateway.ui import queries
@@ -34,6 +36,7 @@ from gateway.ui.tokens import (
 )
 from gateway.viewer_auth import UiCaller, UiSignInRequired, ui_caller
 
+T = TypeVar("T")
 HERE = Path(__file__).parent
 STATIC_VERSION = str(max(int(p.stat().st_mtime) for p in (HERE / "static").iterdir()))
 HEADERS = {
@@ -128,7 +131,8 @@ async def _chains(request: Request, session_id: str, session: dict[str, Any] | N
 async def _build(request: Request, session_id: str, session: dict[str, Any], key: tuple[str, int]) -> Entry:
     cache = _chain_cache(request)
     try:
-        rows = await token_turns(request.app.state.store.engine, session_id)
+        store: Store = request.app.state.store
+        rows = await off_loop(store, lambda: token_turns(store.engine, session_id))  # ~10 MB for 200 turns
         gamma = float(getattr(getattr(request.app.state, "settings", None), "gamma", 1.0))
         # Off the event loop: a 200-turn session of 4k-token turns takes ~0.6 s of Python.
         chains = await asyncio.to_thread(build_chains, rows, session.get("reward"), gamma)
@@ -259,10 +263,28 @@ async def search_page(request: Request) -> Response:
 # --- JSON ------------------------------------------------------------------------------------------
 
 
+OVERVIEW_TTL_S = 4.0
+"""Every open overview polls; they share one computation this old at most."""
+
+
 @router.get("/ui/api/overview")
 async def overview_json(request: Request) -> Response:
     (await _caller(request)).require_run_wide()
-    return _json(await overview_data.overview(request.app.state))
+    state = request.app.state
+    cached: tuple[float, dict[str, Any]] | None = getattr(state, "ui_overview", None)
+    if cached is None or time.monotonic() - cached[0] > OVERVIEW_TTL_S:
+        cached = state.ui_overview = (time.monotonic(), await off_loop(state.store, lambda: overview_data.overview(state)))
+    return _json(cached[1])
+
+
+async def off_loop(store: Store, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a read-only store coroutine off the event loop when the store is SQLite. Its driver runs on the
+    loop's thread (gateway/store/db.py), so the overview's aggregates over 100k sessions (~1 s) would stall
+    every chat call meanwhile; in a thread, sqlite3 releases the GIL while it reads (WAL: never blocking a
+    writer). PostgreSQL's driver is already asynchronous."""
+    if isinstance(store.engine, InLoopEngine):
+        return await asyncio.to_thread(asyncio.run, work())
+    return await work()
 
 
 @router.get("/ui/api/groups")
