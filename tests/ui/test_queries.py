@@ -111,3 +111,14 @@ def test_migration_0004_indexes_match_the_models(db_url: str) -> None:
     ours = ("ix_groups_created_at_id", "ix_sessions_group_id_reward")
     assert set(ours) <= names
     assert [d for d in diff if any(n in repr(d) for n in ours)] == []
+
+
+@pytest.mark.parametrize("path", [
+    "/ui/sessions/" + "x" * 3000, "/ui/api/sessions/sess_%E2%9C%93/tokens", "/ui/api/sessions/a'b/chains",
+    "/ui/groups?q=%F0%9F%98%80%25_%5C", "/ui/groups?version=99999999999", "/ui/groups?after=1~" + "x" * 100,
+    "/ui/groups?reward_min=1e999", "/ui/groups?state=open&state=x", "/ui/groups?limit=-1",
+    "/ui/api/sessions/x/turns/y", "/ui/search?q=" + "%25" * 300, "/ui/groups/%20", "/ui/api/groups?before=nan~g",
+])
+def test_hostile_input_is_never_a_500(gw: tuple[LiveGateway, FakeSGLang, Any], path: str) -> None:
+    r = gw[0].admin.get(path)
+    assert r.status_code in (200, 303, 400, 404), (path, r.status_code, r.text[:200])
