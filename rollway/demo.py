@@ -236,6 +236,7 @@ def main(args: argparse.Namespace) -> int:
         print(f" {r.get('step', 0):>4}  {r.get('reward_mean', 0):.3f}   {r.get('groups_filtered', 0):>5}     "
               f"{r.get('loss', 0):+.4f}")
     print(f"\nheld-out greedy accuracy: {res['start']:.3f} -> {res['end']:.3f};  plot: {plot}")
+    print(f"look at every group, session and token: rollway view --data-dir {out}  (then open /ui)")
     summary = {"first_reward": round(first, 4), "last_reward": round(last, 4),
                "heldout_accuracy_start": round(res["start"], 4), "heldout_accuracy_end": round(res["end"], 4),
                "steps": len(rows), "weight_version": res["weight_version"], "seconds": round(time.time() - t0, 1), "seed": args.seed}

@@ -2,8 +2,8 @@
 
 No engine, no backend, no tokenizer: the pages read the store. Besides /ui it serves the viewer-key routes
 (the admin hands out read-only keys) and /health; every other route is a 404 that says where it lives
-(`rollway serve`). The admin key comes from --admin-key or ROLLWAY_ADMIN_KEY, else it is generated for this
-run and printed once (the demo keeps its key in OUT/admin_key: `ROLLWAY_ADMIN_KEY=$(cat OUT/admin_key)`).
+(`rollway serve`). The admin key comes from --admin-key, ROLLWAY_ADMIN_KEY or DATA_DIR/admin_key, else it is
+generated for this run and printed once; `--data-dir OUT` takes the store and the key file a gateway or the demo left in OUT.
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ no backend, no tokenizer; the OpenAI and REST routes are not served (`rollway se
 
 Sign in at http://HOST:PORT/ui with the admin key, with a read-only viewer key (create one: POST
 /v1/viewer_keys with the admin key, on this server or the gateway), or with a session key (its own session
-only). The admin key is --admin-key, else ROLLWAY_ADMIN_KEY, else generated for this run and printed once.
+only). The admin key is --admin-key, else ROLLWAY_ADMIN_KEY, else DATA_DIR/admin_key (as rollway serve and the demo
+keep it), else generated for this run and printed once.
 
 A SQLite store is brought to the current schema first (tables are only added); a PostgreSQL one must already
 be (`rollway db upgrade --db URL`)."""
 
 EPILOG = """examples:
   rollway view --db sqlite:///rollway-demo/rollway.db          # the demo's store
-  ROLLWAY_ADMIN_KEY=$(cat rollway-demo/admin_key) rollway view --db sqlite:///rollway-demo/rollway.db
+  rollway view --data-dir rollway-demo                          # the same, with the demo's admin key
   rollway view --db postgresql://user@db-host/rollway --host 0.0.0.0 --port 8001"""
 
 
@@ -46,11 +47,12 @@ def add_parser(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
                    help="the store: sqlite:///FILE or postgresql://... (env ROLLWAY_DB; empty: rollway.db in "
                    "--data-dir)")
     v.add_argument("--data-dir", default=os.environ.get("ROLLWAY_DATA_DIR", "rollway-data"),
-                   help="where the default SQLite store is (env ROLLWAY_DATA_DIR)")
+                   help="where the default SQLite store and the admin_key file are (env ROLLWAY_DATA_DIR)")
     v.add_argument("--host", default="127.0.0.1", help="bind address")
     v.add_argument("--port", type=int, default=DEFAULT_PORT, help="port")
     v.add_argument("--admin-key", default=None, metavar="KEY",
-                   help="admin key of this viewer (default: env ROLLWAY_ADMIN_KEY, else generated and printed; "
+                   help="admin key of this viewer (default: env ROLLWAY_ADMIN_KEY, else DATA_DIR/admin_key, else generated "
+                   "and printed; "
                    "prefer the variable: a flag is visible to other users in the process list)")
     v.set_defaults(fn=main)
 
@@ -164,12 +166,12 @@ def mount_pages(app: Any) -> bool:
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from rollway.keys import ENV
+    from rollway.keys import ENV, find_admin_key
     from rollway.serve import listen_socket, local_url
 
     url = db_url(args)
     check_store(url)
-    key = args.admin_key or os.environ.get(ENV) or ""
+    key = args.admin_key or find_admin_key(args.data_dir) or ""  # the variable, else DATA_DIR/admin_key
     generated = not key
     if generated:
         key = "rw-admin-" + secrets.token_urlsafe(32)

@@ -5,8 +5,10 @@ gateway and the trainer's reports stored, and refuses a store that is not there.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +43,7 @@ def recorded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 class View:
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         full_env = {k: v for k, v in os.environ.items() if k not in ("ROLLWAY_ADMIN_KEY", "ROLLWAY_DB")}
+        full_env["ROLLWAY_DATA_DIR"] = tempfile.mkdtemp()  # no admin_key file of the user's is found
         self.proc = subprocess.Popen([sys.executable, "-m", "rollway.cli", "view", "--port", "0", *args],
                                      env={**full_env, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
@@ -148,6 +151,22 @@ def test_a_given_key_is_used_and_not_printed(recorded: dict[str, Any]) -> None:
         assert v.printed_key is None and not any("rw-admin-chosen" in line for line in v.lines)
         with httpx.Client(base_url=v.url, timeout=30) as c:
             assert c.post("/ui/login", data={"key": "rw-admin-chosen"}).status_code == 303
+    finally:
+        v.stop()
+
+
+def test_a_data_dir_gives_the_store_and_its_admin_key(recorded: dict[str, Any], tmp_path: Path) -> None:
+    """`rollway view --data-dir OUT` over what the demo leaves in OUT: rollway.db and the admin_key file."""
+    shutil.copy(recorded["url"].removeprefix("sqlite:///"), tmp_path / "rollway.db")
+    (tmp_path / "admin_key").write_text("rw-admin-from-file\n")
+    v = View("--data-dir", str(tmp_path))
+    v.expect_key = False
+    try:
+        v.start()
+        assert not any("rw-admin-from-file" in line for line in v.lines)
+        with httpx.Client(base_url=v.url, timeout=30) as c:
+            assert c.post("/ui/login", data={"key": "rw-admin-from-file"}).status_code == 303
+            assert c.get("/ui/api/me").json()["role"] == "admin"
     finally:
         v.stop()
 
