@@ -124,3 +124,20 @@ def test_an_adapter_no_backend_can_load_is_refused(gateway: LiveGateway, fake: F
     assert r.status_code == 503
     assert gateway.admin.get("/v1/weights").json()["version"] == v
     assert f"v{v + 1}" not in fake.loras
+
+
+def test_a_recovered_backend_gets_the_adapters_before_traffic(gateway: LiveGateway, fake: FakeSGLang,
+                                                               tmp_path: Path) -> None:
+    adapters = _adapters(gateway)
+    adapters.pin_sessions, adapters.max_versions = False, 4
+    v = gateway.admin.get("/v1/weights").json()["version"] + 1
+    _publish(gateway, v, _folder(tmp_path, v))
+    fake.loras.clear()  # the server restarted: its adapters are gone
+    pool = gateway.app.state.pool
+    backend = pool.backends()[0]
+    pool.mark_failed(backend, "test: restarted")
+    _wait(lambda: backend.healthy)  # the health loop brings it back only after loading what the gateway serves
+    assert fake.loras[f"v{v}"] == str(tmp_path / f"v{v:06d}")
+    _wait(lambda: set(fake.loras) == {f"v{v}"})  # the previous version, if it was still loaded, goes again
+    cred = gateway.group(2)["sessions"][0]
+    assert _turn(gateway, fake, cred, [{"role": "user", "content": "3+3="}]) == f"v{v}"
