@@ -64,15 +64,18 @@ class Ctx:
 def _disk(fsync: bool) -> Callable[[Ctx, int], int]:
     def run(ctx: Ctx, version: int) -> int:
         saved = checkpoint._fsync_tree, checkpoint._fsync_dir
+        t0 = time.perf_counter()
         if not fsync:
             checkpoint._fsync_tree = checkpoint._fsync_dir = lambda path: None  # type: ignore[assignment]
         try:
             path = checkpoint.export_hf(ctx.model, ctx.source, ctx.out / "weights" / f"v{version:06d}")
         finally:
             checkpoint._fsync_tree, checkpoint._fsync_dir = saved
+        t1 = time.perf_counter()
         answer = ctx.client._request("POST", "/v1/weights", json={"version": version, "model_path": str(path)},
                                      timeout=600).json()
         assert not answer["failed_backends"], answer
+        print(f"    export {t1 - t0:.3f} s, gateway {answer['seconds']:.3f} s", flush=True)
         return (path / "model.safetensors").stat().st_size
 
     return run
@@ -80,8 +83,12 @@ def _disk(fsync: bool) -> Callable[[Ctx, int], int]:
 
 def _process_group(ctx: Ctx, version: int) -> int:
     opts = SyncOptions(address="127.0.0.1", backend="gloo", bucket_bytes=ctx.bucket_bytes, timeout=300)
+    t0 = time.perf_counter()
     payload = SyncPayload.gather(ctx.model, ctx.source, opts)
+    t1 = time.perf_counter()
     payload.publish(ctx.client, version, [], {})
+    print(f"    gather {t1 - t0:.3f} s, publish {payload.last['seconds']:.3f} s "
+          f"(gateway {payload.last['answer']['seconds']:.3f} s)", flush=True)
     return payload.nbytes
 
 

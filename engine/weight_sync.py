@@ -79,9 +79,20 @@ def receive(pg: dist.ProcessGroup, dtypes: list[torch.dtype], shapes: list[list[
             pg.broadcast([t], opts).wait()
         return tensors
     numels = [int(torch.Size(s).numel()) for s in shapes]
-    flat = torch.empty(sum(numels), dtype=flat_dtype(dtypes))
+    flat = _buffer(sum(numels), flat_dtype(dtypes))
     pg.broadcast([flat], opts).wait()
     return [piece.view(s).to(d) for piece, s, d in zip(flat.split(numels), shapes, dtypes, strict=True)]
+
+
+_BUFFER: list[torch.Tensor] = []
+
+
+def _buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """One receive buffer, kept between calls (buckets are loaded one at a time): fresh memory would cost its page
+    faults on every bucket of every publish."""
+    if not _BUFFER or _BUFFER[0].numel() < numel * torch.empty(0, dtype=dtype).element_size():
+        _BUFFER[:] = [torch.empty(numel * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8)]
+    return _BUFFER[0][: numel * torch.empty(0, dtype=dtype).element_size()].view(dtype)
 
 
 class WeightSync:
