@@ -27,7 +27,7 @@ from gateway.turns import FinishedTurn, PreparedTurn, TurnService
 
 log = logging.getLogger("rollway.gateway")
 
-WATCH_AFTER_S = 0.05
+WATCH_AFTER_S = 0.2
 """The generation's age when the watcher starts: a client that leaves is noticed at most this late."""
 ABORT_RETRY_S = 0.25
 """An abort that reached the backend before the request did finds nothing to abort: it is sent again this
