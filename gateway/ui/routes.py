@@ -16,13 +16,13 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
+import gateway.ui.overview as overview_data
+import gateway.ui.queries as queries
 from gateway.errors import BadRequest, GatewayError, NotFound
 from gateway.records import session_record
 from gateway.routes.common import json_response
 from gateway.store.db import InLoopEngine
 from gateway.store.store import Store
-from gateway.ui import overview as overview_data
-from gateway.ui import queries
 from gateway.ui.conversation import light_turns, token_turns, turn_views
 from gateway.ui.tokens import (
     MAX_PAGE_TOKENS,
