@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -35,9 +35,6 @@ from gateway.pool import Backend
 from gateway.protocol import INT32_MAX, Strict
 from gateway.routes.common import json_response, read_body
 from gateway.sglang import BackendError
-
-if TYPE_CHECKING:
-    from gateway.weights import Publisher
 
 log = logging.getLogger("rollway.gateway")
 DISTRIBUTED = "distributed:"
@@ -51,7 +48,10 @@ class AwaitingWeights(BackendError):
 async def refuse_partial(backend: Backend) -> None:
     """AwaitingWeights when the server says it holds a half-received update ("<v>-partial"): at version 0 there is
     nothing to load into it, and its old version number must not let it back with a mix."""
-    reported = str((await backend.client.model_info()).get("weight_version"))
+    try:
+        reported = str((await backend.client.model_info()).get("weight_version"))
+    except BackendError:  # not answering is the health loop's business, as before this check
+        return
     if reported.endswith("-partial"):
         raise AwaitingWeights(f"it holds part of an update ({reported}): it gets a whole version at the next publish")
 
@@ -85,8 +85,8 @@ class Plan:
 class ProcessGroupSync:
     """One publish over process groups at a time, under the publisher's lock (held from init to the end of sync)."""
 
-    def __init__(self, publisher: Publisher) -> None:
-        self.publisher = publisher
+    def __init__(self, publisher: Any) -> None:
+        self.publisher = publisher  # gateway.weights.Publisher (not imported: it imports this module)
         self.plan: Plan | None = None
 
     async def init(self, version: int, master_address: str, backend: str, timeout: float) -> dict[str, Any]:
