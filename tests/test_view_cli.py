@@ -155,10 +155,14 @@ def test_a_given_key_is_used_and_not_printed(recorded: dict[str, Any]) -> None:
         v.stop()
 
 
-def test_a_data_dir_gives_the_store_and_its_admin_key(recorded: dict[str, Any], tmp_path: Path) -> None:
-    """`rollway view --data-dir OUT` over what the demo leaves in OUT: rollway.db and the admin_key file."""
+def test_a_data_dir_gives_the_store_its_admin_key_and_tokenizer(
+    recorded: dict[str, Any], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`rollway view --data-dir OUT` over what the demo leaves in OUT: rollway.db, the admin_key file and the
+    model-init folder, whose tokenizer turns the token view's ids into text."""
     shutil.copy(recorded["url"].removeprefix("sqlite:///"), tmp_path / "rollway.db")
     (tmp_path / "admin_key").write_text("rw-admin-from-file\n")
+    shutil.copytree(tiny_model_dir, tmp_path / "model-init")
     v = View("--data-dir", str(tmp_path))
     v.expect_key = False
     try:
@@ -167,6 +171,10 @@ def test_a_data_dir_gives_the_store_and_its_admin_key(recorded: dict[str, Any], 
         with httpx.Client(base_url=v.url, timeout=30) as c:
             assert c.post("/ui/login", data={"key": "rw-admin-from-file"}).status_code == 303
             assert c.get("/ui/api/me").json()["role"] == "admin"
+            tokens = c.get(f"/ui/api/sessions/{recorded['session']['session_id']}/tokens", params={"turn": "last"})
+            assert tokens.status_code == 200, tokens.text
+            text = tokens.json()["text"]
+            assert text and not any(t.startswith("<") and t[1:-1].isdigit() for t in text)  # text, not <id>
     finally:
         v.stop()
 
