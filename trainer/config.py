@@ -168,6 +168,9 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.weight_sync == "distributed" and self.lora_rank:
+            raise ValueError("--weight-sync distributed sends full weights; a LoRA adapter is published by path "
+                             "(--weight-sync disk): choose one")
         if self.lora_rank < 0 or self.lora_alpha < 0:
             raise ValueError("lora_rank and lora_alpha must be >= 0")
         if self.lora_rank and not [t for t in self.lora_targets.split(",") if t.strip()]:

@@ -68,3 +68,16 @@ def test_falls_back_to_the_disk_path_only_when_no_server_took_it(tiny_model_dir:
     assert (tmp_path / "weights" / "v000004" / "config.json").is_file()
     with pytest.raises(GatewayHTTPError):  # a conflict is the trainer's problem, not the transport's
         payload.publish(_Refusing(409), 5, [], {})  # type: ignore[arg-type]
+
+
+def test_config_takes_the_distributed_path_and_refuses_it_with_lora() -> None:
+    from trainer.config import load_config
+
+    base = {"gateway": "http://gw", "model": "m"}
+    assert load_config(None, base).weight_sync == "disk"  # the default stays the disk path
+    cfg = load_config(None, {**base, "weight-sync": "distributed", "weight-sync-bucket-mb": "0.5"})
+    assert (cfg.weight_sync, cfg.weight_sync_bucket_mb) == ("distributed", 0.5)
+    with pytest.raises(ValueError, match="weight_sync"):
+        load_config(None, {**base, "weight-sync": "ftp"})
+    with pytest.raises(ValueError, match="LoRA"):
+        load_config(None, {**base, "weight-sync": "distributed", "lora-rank": "4"})
