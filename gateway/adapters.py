@@ -32,7 +32,7 @@ from typing import Any
 from sqlalchemy import select
 
 from gateway.pool import Backend, BackendPool
-from gateway.sglang import BackendError, BackendRejected
+from gateway.sglang import BackendError, BackendRejected, BackendUnavailable
 from gateway.store.leases import Leases
 from gateway.store.models import Session
 
@@ -222,11 +222,17 @@ class Adapters:
 
     @staticmethod
     async def _unload_one(backend: Backend, version: int) -> None:
-        try:
-            await backend.client.unload_lora_adapter(adapter_name(version))
-        except BackendRejected as e:
-            if not missing(e):
-                raise
+        for attempt in (1, 2):  # once more after a transport error (seen: a kept-alive connection the server closed)
+            try:
+                await backend.client.unload_lora_adapter(adapter_name(version))
+                return
+            except BackendRejected as e:
+                if not missing(e):
+                    raise
+                return
+            except BackendUnavailable:
+                if attempt == 2:
+                    raise
 
     async def refresh(self) -> None:
         """Read the newest version from the store (another gateway may have published since)."""
