@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -65,11 +66,24 @@ def models_dir() -> Path:
     digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
     if digest != SDIST_SHA256:
         raise RuntimeError(f"{sdist} has sha256 {digest}, not the pinned {SDIST_SHA256}: delete it and rerun")
+    tmp = cache / f"x.tmp-{os.getpid()}"  # unpacked aside, then renamed: no run sees half a folder
+    shutil.rmtree(tmp, ignore_errors=True)
     with tarfile.open(sdist) as tar:
         wanted = [m for m in tar.getmembers() if m.name.startswith(_MODELS + "/templates/")
                   or (m.name.startswith(_MODELS + "/ggml-vocab-") and m.name.endswith(".gguf"))]
-        tar.extractall(cache / "x", members=wanted, filter="data")
+        tar.extractall(tmp, members=wanted, filter="data")
+    _replace(tmp, cache / "x")
     return models
+
+
+def _replace(tmp: Path, dest: Path) -> None:
+    """Put the finished folder `tmp` at `dest` (a partial one left there by a killed run is removed); when
+    another run put the same build there first, `tmp` is dropped."""
+    shutil.rmtree(dest, ignore_errors=True)
+    try:
+        tmp.rename(dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def template(name: str) -> str:
@@ -188,7 +202,7 @@ BY_NAME = {f.name: f for f in FAMILIES}
 def tokenizer_dir(family: Family) -> Path:
     """A folder holding the family's tokenizer, chat template and generation_config.json (built once)."""
     built = cache_dir() / "tokenizers" / family.key
-    if not (built / "tokenizer.json").is_file():
+    if not (built / "generation_config.json").is_file():  # written last: a build cut short is redone
         _build(family, built)
     return built
 
@@ -221,7 +235,10 @@ def _build(family: Family, out: Path) -> None:
     names = {"bos_token": family.bos or base.bos_token, "eos_token": family.eos or base.eos_token}
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, **names)
     tok.chat_template = template(family.template)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(out))
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # built aside, then renamed (runs share the cache)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tok.save_pretrained(str(tmp))
     ids = tok.convert_tokens_to_ids(list(family.stops))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+    (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+    _replace(tmp, out)
