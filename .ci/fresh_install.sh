@@ -19,7 +19,7 @@ check() {  # $1: the venv's bin folder, $2: a name for the log lines
   local bin=$1 name=$2 out
   echo "--- [$name] rollway --help and every subcommand's --help"
   "$bin/rollway" --help >/dev/null
-  for cmd in serve engine init-model rollout train demo db; do
+  for cmd in serve engine init-model rollout train demo db view; do
     "$bin/rollway" "$cmd" --help >/dev/null || { echo "FAIL: rollway $cmd --help" >&2; return 1; }
   done
   echo "--- [$name] rollway demo (short: 300 SFT steps at most, 1 RL step, 16 held-out tasks)"
