@@ -8,28 +8,37 @@ no sequence trains nothing. Logprobs and versions are the stored ones of every c
 the mask is 0 (a turn trained in an earlier chain, a disconnected partial): the page shows what the model
 did and, separately, what is trained.
 
-Chains are kept in a small LRU keyed by (session, turn count), in compact arrays (~13 bytes a token), so the
-pages of a 200-turn session are sliced from memory after the first request.
+A chain is built as its spans (which turn's prompt delta and reply sit where) and the few figures of its
+summary; a page of it is sliced from the turns' stored little-endian arrays when asked for, with numpy, so the
+first look at a 200-turn session of 800k tokens costs a walk over its turns, not over its tokens. What
+`session_sequences` decides per turn (is this reply trained in this chain) is read off a run of it over the
+same turn tree with one token a turn (`_learned`), so that the rules stay in one place and the trainer's path
+stays as it is. Chains are kept in a small LRU keyed by (session, turn count): the stored arrays, ~6 bytes a
+token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
+import dataclasses
 import math
-from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from gateway.samples import session_sequences
 from gateway.store.store import TurnRow
-from gateway.wire import unpack
+from gateway.wire import pack, unpack
 
 PAGE_TOKENS = 2048
 """Tokens per page of the token view: a bounded payload (~60 KB of JSON) whatever the chain's length."""
 MAX_PAGE_TOKENS = 8192
 DRIFT_CONTEXT = 8, 16
 """Tokens shown before and from the first divergent one, on each side of the drift report."""
+I32, F32 = np.dtype("<i4"), np.dtype("<f4")
 
 
 @dataclass(slots=True)
@@ -40,40 +49,71 @@ class Span:
     """First token of the turn's prompt delta in the chain."""
     completion_start: int
     end: int
+    row: TurnRow = field(repr=False)
+    learn: bool = False
+    """samples.py's loss mask on this turn's reply in this chain (the prompt's is 0)."""
 
 
 @dataclass(slots=True)
 class Chain:
     leaf_id: str
     spans: list[Span]
-    token_ids: array = field(default_factory=lambda: array("i"))
-    logprobs: array = field(default_factory=lambda: array("f"))
-    """NaN on prompt tokens."""
-    versions: array = field(default_factory=lambda: array("i"))
-    """-1 on prompt tokens."""
-    loss_mask: bytearray = field(default_factory=bytearray)
+    total: int = 0
+    trained: int = 0
     boundaries: list[dict[str, Any]] = field(default_factory=list)
     """Weight-version changes inside one reply: {index, from, to, turn_id, seq}."""
     drift: dict[str, Any] | None = None
     """For a chain whose first turn broke off an earlier one: reason, that turn, the first divergent index."""
 
     def summary(self) -> dict[str, Any]:
-        return {"leaf_id": self.leaf_id, "tokens": len(self.token_ids), "trained": sum(self.loss_mask),
-                "turns": [{"turn_id": s.turn_id, "seq": s.seq, "start": s.start,
-                           "completion_start": s.completion_start, "end": s.end} for s in self.spans],
-                "boundaries": self.boundaries, "drift": self.drift}
+        return {"leaf_id": self.leaf_id, "tokens": self.total, "trained": self.trained,
+                "turns": [_span_json(s) for s in self.spans], "boundaries": self.boundaries, "drift": self.drift}
+
+    def window(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Tokens [lo, hi): ids, logprobs (NaN on prompt tokens), versions (-1 there), loss mask."""
+        ids, lps, vers, mask = [], [], [], []
+        i = max(0, bisect.bisect_right([s.start for s in self.spans], lo) - 1)
+        for sp in self.spans[i:]:
+            if sp.start >= hi:
+                break
+            a, b = max(lo, sp.start), min(hi, sp.completion_start)
+            if a < b:  # the prompt delta
+                ids.append(np.frombuffer(sp.row.prompt_ids, I32)[a - sp.start: b - sp.start])
+                lps.append(np.full(b - a, np.nan, np.float32))
+                vers.append(np.full(b - a, -1, np.int32))
+                mask.append(np.zeros(b - a, np.uint8))
+            a, b = max(lo, sp.completion_start), min(hi, sp.end)
+            if a < b:  # the reply
+                x, y = a - sp.completion_start, b - sp.completion_start
+                ids.append(np.frombuffer(sp.row.completion_ids, I32)[x:y])
+                lps.append(_fit(np.frombuffer(sp.row.logprobs, F32), sp.end - sp.completion_start, np.nan)[x:y])
+                vers.append(_fit(np.frombuffer(sp.row.versions, I32), sp.end - sp.completion_start, -1)[x:y])
+                mask.append(np.full(b - a, 1 if sp.learn else 0, np.uint8))
+        if not ids:
+            return (np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32), np.zeros(0, np.uint8))
+        return np.concatenate(ids), np.concatenate(lps), np.concatenate(vers), np.concatenate(mask)
+
+
+def _span_json(s: Span) -> dict[str, Any]:
+    return {"turn_id": s.turn_id, "seq": s.seq, "start": s.start, "completion_start": s.completion_start,
+            "end": s.end}
+
+
+def _fit(arr: np.ndarray, n: int, fill: float) -> np.ndarray:
+    """A reply's stored per-token array at the reply's length (they are recorded together; never trusted blind)."""
+    if len(arr) == n:
+        return arr
+    out = np.full(n, fill, arr.dtype)
+    out[: min(n, len(arr))] = arr[:n]
+    return out
 
 
 def _lcp(a: bytes, b: bytes) -> int:
-    """Length in int32 tokens of the common prefix of two packed chains (binary search over memcmp)."""
-    lo, hi = 0, min(len(a), len(b)) // 4
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[: mid * 4] == b[: mid * 4]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """Length in int32 tokens of the common prefix of two packed chains."""
+    n = min(len(a), len(b)) // 4
+    x, y = np.frombuffer(a, I32, n), np.frombuffer(b, I32, n)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if len(diff) else n
 
 
 def _path_bytes(leaf: TurnRow, by_id: dict[str, TurnRow]) -> bytes:
@@ -116,13 +156,35 @@ def _drift(row: TurnRow, rows: list[TurnRow], by_id: dict[str, TurnRow]) -> dict
             "ours_len": len(ours) // 4, "theirs_len": len(theirs) // 4}
 
 
+_PROBE_PROMPT, _PROBE_LOGPROBS = pack([-1], "int32"), pack([0.0], "float32")
+
+
+def _learned(rows: list[TurnRow], session_reward: float | None, gamma: float) -> dict[tuple[str, str], bool]:
+    """{(leaf id, turn id): whether samples.py trains that turn's reply in that leaf's sequence}.
+
+    `session_sequences` run over the same turns with a prompt delta of one token and a reply of one token, the
+    turn's index: its mask is per turn (0 on a prompt delta, one value on the whole of a reply), so each
+    sequence reads back as its turns' decisions, and the last reply's index names its leaf. A leaf that made no
+    sequence trains nothing (absent here: False)."""
+    probe = [dataclasses.replace(r, prompt_ids=_PROBE_PROMPT, completion_ids=pack([i], "int32"),
+                                 logprobs=_PROBE_LOGPROBS, versions=pack([0], "int32"))
+             for i, r in enumerate(rows)]
+    out: dict[tuple[str, str], bool] = {}
+    for seq in session_sequences(probe, session_reward, gamma):
+        turns = seq.token_ids[1::2]
+        leaf = rows[turns[-1]].id
+        for index, m in zip(turns, seq.loss_mask[1::2], strict=True):
+            out[(leaf, rows[index].id)] = bool(m)
+    return out
+
+
 def build_chains(rows: list[TurnRow], session_reward: float | None, gamma: float) -> list[Chain]:
     """Every chain of a session (leaves of its turn tree, in the order samples.py takes them)."""
     by_id = {r.id: r for r in rows}
     extended = {r.parent_id for r in rows if r.parent_id}
-    sequences = session_sequences(rows, session_reward, gamma)
+    learned = _learned(rows, session_reward, gamma)
+    marks: dict[str, list[tuple[int, int, int]]] = {}  # per turn: (index in its reply, from, to)
     out: list[Chain] = []
-    k = 0
     for leaf in (r for r in rows if r.id not in extended):
         path: list[TurnRow] = []
         node: TurnRow | None = leaf
@@ -131,39 +193,23 @@ def build_chains(rows: list[TurnRow], session_reward: float | None, gamma: float
             node = by_id.get(node.parent_id) if node.parent_id else None
         path.reverse()
         chain = Chain(leaf.id, [])
+        at = 0
         for turn in path:
-            n_prompt = len(turn.prompt_ids) // 4
-            start = len(chain.token_ids)
-            chain.token_ids.frombytes(_native(turn.prompt_ids, "i"))
-            chain.logprobs.extend(array("f", [math.nan]) * n_prompt)
-            chain.versions.extend(array("i", [-1]) * n_prompt)
-            cstart = len(chain.token_ids)
-            chain.token_ids.frombytes(_native(turn.completion_ids, "i"))
-            chain.logprobs.frombytes(_native(turn.logprobs, "f"))
-            versions = array("i", _native(turn.versions, "i"))
-            for i in range(1, len(versions)):
-                if versions[i] != versions[i - 1]:
-                    chain.boundaries.append({"index": cstart + i, "from": versions[i - 1], "to": versions[i],
-                                             "turn_id": turn.id, "seq": turn.seq})
-            chain.versions.extend(versions)
-            chain.spans.append(Span(turn.id, turn.seq, start, cstart, len(chain.token_ids)))
-        if k < len(sequences) and array("i", sequences[k].token_ids) == chain.token_ids:
-            chain.loss_mask = bytearray(sequences[k].loss_mask)
-            k += 1
-        else:  # samples.py made no sequence of it: nothing of this chain is trained
-            chain.loss_mask = bytearray(len(chain.token_ids))
+            start, cstart = at, at + len(turn.prompt_ids) // 4
+            at = cstart + len(turn.completion_ids) // 4
+            learn = learned.get((leaf.id, turn.id), False)
+            chain.spans.append(Span(turn.id, turn.seq, start, cstart, at, turn, learn))
+            if learn:
+                chain.trained += at - cstart
+            if turn.id not in marks:
+                v = _fit(np.frombuffer(turn.versions, I32), at - cstart, -1)
+                marks[turn.id] = [(int(i), int(v[i - 1]), int(v[i])) for i in np.flatnonzero(v[1:] != v[:-1]) + 1]
+            chain.boundaries += [{"index": cstart + i, "from": a, "to": b, "turn_id": turn.id, "seq": turn.seq}
+                                 for i, a, b in marks[turn.id]]
+        chain.total = at
         chain.drift = _drift(path[0], rows, by_id)
         out.append(chain)
     return out
-
-
-def _native(data: bytes, code: str) -> bytes:
-    """Stored little-endian bytes as this machine's array bytes (the same on every machine we run on)."""
-    arr = array(code)
-    arr.frombytes(data)
-    if arr.itemsize > 1 and array("H", [1]).tobytes()[0] == 0:  # big-endian host
-        arr.byteswap()
-    return arr.tobytes()
 
 
 Entry = tuple[list[Chain], list[str]]
@@ -214,14 +260,14 @@ class TokenText:
 
 def page(chain: Chain, text: TokenText, offset: int, limit: int) -> dict[str, Any]:
     """Tokens [offset, offset + limit) of a chain as parallel arrays (compact JSON)."""
-    end = min(len(chain.token_ids), offset + limit)
-    ids = chain.token_ids[offset:end].tolist()
-    lps = [None if math.isnan(x) else round(x, 4) for x in chain.logprobs[offset:end]]
-    return {"leaf_id": chain.leaf_id, "total": len(chain.token_ids), "offset": offset, "limit": limit,
-            "ids": ids, "text": text(ids), "logprobs": lps, "mask": list(chain.loss_mask[offset:end]),
-            "versions": chain.versions[offset:end].tolist(),
-            "turns": [{"turn_id": s.turn_id, "seq": s.seq, "start": s.start, "completion_start": s.completion_start,
-                       "end": s.end} for s in chain.spans if s.end > offset and s.start < end],
+    end = min(chain.total, offset + limit)
+    ids_a, lps_a, vers_a, mask_a = chain.window(offset, end)
+    ids = ids_a.tolist()
+    lps = [None if math.isnan(x) else round(x, 4) for x in lps_a.tolist()]
+    return {"leaf_id": chain.leaf_id, "total": chain.total, "offset": offset, "limit": limit,
+            "ids": ids, "text": text(ids), "logprobs": lps, "mask": mask_a.tolist(),
+            "versions": vers_a.tolist(),
+            "turns": [_span_json(s) for s in chain.spans if s.end > offset and s.start < end],
             "boundaries": [b for b in chain.boundaries if offset <= b["index"] < end],
             "drift": chain.drift,
             "drift_text": {"ours": text(chain.drift["ours"]), "theirs": text(chain.drift["theirs"])} if chain.drift else None}
