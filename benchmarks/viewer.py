@@ -233,19 +233,19 @@ def time_groups(base: str, repeat: int) -> list[dict[str, Any]]:
 def bump_turn_count(url: str, session_id: str, by: int) -> None:
     """Move the session's turn count as a new turn does (the viewer's chain cache is keyed by it)."""
     from concurrent.futures import ThreadPoolExecutor
+    from typing import cast
 
-    from sqlalchemy import update
+    from sqlalchemy import Table, update
 
     from gateway.store.db import create_engine
     from gateway.store.models import Session
 
     async def go() -> None:
         engine = create_engine(url)
-        S = Session.__table__
+        S = cast(Table, Session.__table__)
         try:
             async with engine.begin() as conn:
-                await conn.execute(update(S).where(S.c.id == session_id)  # type: ignore[attr-defined]
-                                   .values(turn_count=S.c.turn_count + by))  # type: ignore[attr-defined]
+                await conn.execute(update(S).where(S.c.id == session_id).values(turn_count=S.c.turn_count + by))
         finally:
             await engine.dispose()
 
