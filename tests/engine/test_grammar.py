@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from typing import Any
 
 import httpx
@@ -20,8 +21,9 @@ SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
     "days": {"type": "integer", "minimum": 1, "maximum": 9},
     "rain": {"type": "boolean"},
-    # A pattern, not maxLength: xgrammar 0.2.8 lets a length-bounded string take raw control characters
-    # (invalid JSON), seen here with the random model; docs/sglang-contract.md "Constrained decoding".
+    # A pattern, not maxLength: xgrammar 0.2.8 (SGLang's default backend, the engine's until llguidance) lets
+    # a length-bounded string take raw control characters (invalid JSON); docs/sglang-contract.md
+    # "Constrained decoding".
     "note": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
 }, "required": ["city", "days", "rain", "note"]}
 REGEX = r"[0-9]{3}-[a-z]{2}(!|\?)"
@@ -104,3 +106,34 @@ def test_structural_tag_forces_a_hermes_call(live_engine: LiveServer) -> None:
         assert calls is not None and len(calls) == 1, text
         assert calls[0].name == "get_weather"
         jsonschema.validate(json.loads(calls[0].arguments), SCHEMA)
+
+
+def test_the_grammar_library_is_llguidance_alone(live_engine: LiveServer) -> None:
+    """The engine (in this process) compiles and masks with llguidance: no xgrammar (its triton is ~1 GB) and
+    not llguidance.torch (it imports torch's compiler for a torch.compile'd kernel)."""
+    r = asyncio.run(generate(live_engine.url, {"json_schema": json.dumps(SCHEMA), "max_new_tokens": 4}, [5, 6]))
+    assert r.status_code == 200, r.text
+    assert "llguidance" in sys.modules
+    assert "xgrammar" not in sys.modules and "llguidance.torch" not in sys.modules
+
+
+def test_structural_tag_forms_beside_the_gateways(live_engine: LiveServer) -> None:
+    """The legacy form (free text, a structure after its trigger) compiles and holds; a format the engine does
+    not translate is SGLang's 400, naming it."""
+    legacy = {"type": "structural_tag", "triggers": ["<tool_call>"], "structures": [
+        {"begin": '<tool_call>{"name": "f", "arguments": ', "schema": SCHEMA, "end": "}</tool_call>"}]}
+    for seed in range(2):
+        out = asyncio.run(generate(live_engine.url, {"structural_tag": json.dumps(legacy), "sampling_seed": seed,
+                                                     "skip_special_tokens": False}, [5, 6, seed + 7]))
+        assert out.status_code == 200, out.text
+        text = out.json()["text"]
+        for call in text.split("<tool_call>")[1:]:  # every structure begun is held to its schema
+            if "</tool_call>" in call:
+                body = call[:call.index("</tool_call>")]
+                assert body.startswith('{"name": "f", "arguments": ') and body.endswith("}"), text
+                jsonschema.validate(json.loads(body[len('{"name": "f", "arguments": '):-1]), SCHEMA)
+    triggered = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<a>"], "tags": []}}
+    r = asyncio.run(generate(live_engine.url, {"structural_tag": json.dumps(triggered)}, [5, 6]))
+    assert r.status_code == 400
+    assert "Failed to compile structural_tag grammar" in r.json()["error"]["message"]
+    assert "'triggered_tags' is not supported" in r.json()["error"]["message"]
