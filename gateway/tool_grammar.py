@@ -2,12 +2,12 @@
 grammar the backend decodes under, written in the tool-call format of the model's family.
 
 The grammar is an SGLang `structural_tag` in its current form (`{"type": "structural_tag", "format": ...}`,
-compiled by SGLang's grammar backend, xgrammar by default, and by the CPU engine with llguidance; docs/sglang-
-contract.md "Constrained decoding"): a sequence of tags, one per call, each the family's own markup around the
-tool's name, with the arguments held to the tool's JSON schema. So the reply is a tool call the gateway's
-parser reads back, whatever the weights, and the model writes it in the tokens its template taught it.
-Families whose format this does not express are refused with a 400 naming the family (FAMILIES lists those it
-does).
+compiled by SGLang's grammar backend, xgrammar by default, and by the CPU engine with llguidance;
+docs/sglang-contract.md "Constrained decoding"): a sequence of tags, one per call, each the family's own
+markup around the tool's name, with the arguments held to the tool's JSON schema. So the reply is a tool call
+the gateway's parser reads back, whatever the weights, and the model writes it in the tokens its template
+taught it. Families whose format this does not express are refused with a 400 naming the family (FAMILIES
+lists those it does).
 
 A turn decoded under a grammar is recorded as constrained: its tokens are not samples of the policy the
 trainer recomputes, and they are kept out of the loss by default (gateway/samples.py).
