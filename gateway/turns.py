@@ -510,22 +510,7 @@ def tools_for_choice(
     tool_choice: Any, tools: list[dict[str, Any]] | None, parallel_tool_calls: bool | None = None
 ) -> tuple[list[dict[str, Any]] | None, ForcedTools | None]:
     """(the tools to render, the forced choice to put on `TurnRequest.forced`) for OpenAI's tool_choice
-    ("auto", "none", "required", {"type": "function", "function": {"name"}}) and parallel_tool_calls. The
-    successor of `require_tools_supported`: a forced choice is honoured with a grammar (gateway/tool_grammar.py);
-    one the model's family cannot be held to is a 400 in `TurnService.prepare`."""
+    ("auto", "none", "required", {"type": "function", "function": {"name"}}) and parallel_tool_calls. A forced
+    choice is honoured with a grammar (gateway/tool_grammar.py); one the model's family cannot be held to is a
+    400 in `TurnService.prepare`."""
     return resolve_tool_choice(tool_choice, tools, parallel_tool_calls)
-
-
-def require_tools_supported(tool_choice: Any, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """tool_choice is honoured or refused, never ignored (docs/architecture.md "Sampling"). For a route that
-    does not pass a forced choice on (`TurnRequest.forced`): it refuses one. Use `tools_for_choice` to honour it."""
-    if tool_choice is None or tool_choice == "auto":
-        return tools
-    if tool_choice == "none":
-        return None
-    if not tools:
-        raise BadRequest("tool_choice was given but no tools were offered", param="tool_choice")
-    raise BadRequest(
-        "tool_choice 'required' or a named function is not supported by this gateway's backends; use 'auto'",
-        param="tool_choice",
-    )
