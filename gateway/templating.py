@@ -378,12 +378,16 @@ class ChatTemplate:
         return msg
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Ids to text with special tokens kept and no space clean-up (the exact text)."""
+        """Ids to text with special tokens kept and no space clean-up (the exact text), except a NUL: a model
+        can generate the byte, but a request holding one is refused (PostgreSQL can't store it), so an agent
+        sending the reply back would be refused. A NUL is written U+FFFD; the recorded ids stay the model's."""
         if self._backend is not None:  # what transformers' decode calls, without its wrapper
-            return str(self._backend.decode(list(ids), skip_special_tokens=False))
-        return str(
-            self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        )
+            text = str(self._backend.decode(list(ids), skip_special_tokens=False))
+        else:
+            text = str(
+                self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            )
+        return text.replace("\x00", "\ufffd") if "\x00" in text else text
 
 
 class IncrementalDetokenizer:
