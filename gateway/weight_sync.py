@@ -12,8 +12,11 @@
 Why one group per backend: a backend that dies mid-update breaks only its own group, so the others still finish and
 serve the new version, and the agents see nothing. A backend that failed is never left serving a mix: it reports
 "<v>-partial" until it has received a whole version, its queued requests are aborted (the gateway resubmits them
-elsewhere), and it stays out of rotation until a later publish sends it every bucket (re-syncs, and backends added
-at run time, join the next publish: with no shared disk there is nothing else to load them from).
+elsewhere), and it stays out of rotation until it is sent every bucket of the current version. With no shared disk
+there is no folder to load it from, so such backends (and those added or restarted at run time) are listed in
+`GET /v1/weights/sync` as `awaiting_backends`, and the trainer sends them the version it last published with a
+**catch-up** (`catch_up: true` on init): the same steps on those backends alone, the others generating on, no new
+version recorded and no batch acked. The next publish includes them too.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ DISTRIBUTED = "distributed:"
 
 
 class AwaitingWeights(BackendError):
-    """The current version came over process groups and this backend lacks it: it takes part in the next publish."""
+    """The current version came over process groups and this backend lacks it: a catch-up or the next publish sends
+    it (listed in `awaiting_backends` meanwhile)."""
 
 
 async def refuse_partial(backend: Backend) -> None:
@@ -80,6 +84,8 @@ class Plan:
     targets: list[Target]
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
     released: bool = False
+    catch_up: bool = False
+    """The current version again, to the backends that lack it only: nothing recorded, the others untouched."""
 
 
 class ProcessGroupSync:
@@ -89,25 +95,35 @@ class ProcessGroupSync:
         self.publisher = publisher  # gateway.weights.Publisher (not imported: it imports this module)
         self.plan: Plan | None = None
 
-    async def init(self, version: int, master_address: str, backend: str, timeout: float) -> dict[str, Any]:
-        await self.publisher.leases.check_publishable(version, [])
+    async def init(self, version: int, master_address: str, backend: str, timeout: float,
+                   catch_up: bool = False) -> dict[str, Any]:
+        if not catch_up:
+            await self.publisher.leases.check_publishable(version, [])
         lock = self.publisher._lock
         try:
             await asyncio.wait_for(lock.acquire(), timeout)
         except TimeoutError:
             raise ServiceUnavailable("another publish is in progress", retry_after=5) from None
         try:
-            targets = await self._targets(version, uuid.uuid4().hex[:8])
-            if not targets:
-                raise ServiceUnavailable("no backend answers /health: nothing to publish to", retry_after=10)
+            if catch_up:
+                await self._check_current(version)  # under the lock: no publish can commit a newer one meanwhile
+                targets = await self._awaiting(version, uuid.uuid4().hex[:8])
+                if not targets:  # nothing to do: the lock goes back at once
+                    lock.release()
+                    return {"sync_id": None, "version": version, "catch_up": True, "groups": []}
+            else:
+                targets = await self._targets(version, uuid.uuid4().hex[:8])
+                if not targets:
+                    raise ServiceUnavailable("no backend answers /health: nothing to publish to", retry_after=10)
         except BaseException:
-            lock.release()
+            if lock.locked():
+                lock.release()
             raise
-        plan = Plan(uuid.uuid4().hex, version, master_address, backend, timeout, targets)
+        plan = Plan(uuid.uuid4().hex, version, master_address, backend, timeout, targets, catch_up=catch_up)
         # A trainer that never sends its sync must not hold the lock for ever.
         plan.expiry = asyncio.get_running_loop().call_later(timeout + 30, self._release, plan)
         self.plan = plan
-        return {"sync_id": plan.sync_id, "version": version,
+        return {"sync_id": plan.sync_id, "version": version, "catch_up": catch_up,
                 "groups": [{"group_name": t.group_name, "world_size": t.world_size, "backend_id": t.backend.id}
                            for t in targets]}
 
@@ -117,7 +133,9 @@ class ProcessGroupSync:
         candidates = self.publisher.pool.backends()
         alive = await asyncio.gather(*(b.client.health() for b in candidates))
         chosen = [b for b, ok in zip(candidates, alive, strict=True) if b.healthy or ok]
+        return await self._sized(chosen, version, tag)
 
+    async def _sized(self, chosen: list[Backend], version: int, tag: str) -> list[Target]:
         async def tp_size(b: Backend) -> int:
             try:
                 return max(1, int((await b.client.server_info()).get("tp_size") or 1))
@@ -126,6 +144,25 @@ class ProcessGroupSync:
 
         sizes = await asyncio.gather(*(tp_size(b) for b in chosen))
         return [Target(b, f"rollway-v{version}-{b.id}-{tag}", 1 + n) for b, n in zip(chosen, sizes, strict=True)]
+
+    async def _check_current(self, version: int) -> None:
+        current, path = await self.publisher.leases.current_weights()
+        if version != current or path is None or not path.startswith(DISTRIBUTED):
+            raise Conflict(f"a catch-up sends the current version, and version {version} is not it (the current is "
+                           f"{current}, {path or 'the starting weights'}): only a version published over process "
+                           "groups is caught up this way", param="version")
+
+    def awaiting(self) -> list[Backend]:
+        """Backends out of rotation that lack the current version (it came over process groups): what a catch-up
+        would send it to."""
+        awaiting = self.publisher.awaiting
+        return [b for b in self.publisher.pool.backends() if not b.healthy and b.id in awaiting]
+
+    async def _awaiting(self, version: int, tag: str) -> list[Target]:
+        candidates = self.awaiting()
+        alive = await asyncio.gather(*(b.client.health() for b in candidates))
+        chosen = [b for b, ok in zip(candidates, alive, strict=True) if ok]
+        return [t for t in await self._sized(chosen, version, tag)]
 
     def _release(self, plan: Plan) -> None:
         if not plan.released:
@@ -149,6 +186,11 @@ class ProcessGroupSync:
             missing = [t.group_name for t in plan.targets if t.group_name not in ports]
             if missing:
                 raise BadRequest(f"no port for groups {missing}", param="ports")
+            if plan.catch_up:
+                if batch_ids or results:
+                    raise BadRequest("a catch-up acks no batches: publish them with a new version", param="batch_ids")
+                await self._check_current(version)
+                return await self._run_catch_up(plan, ports, buckets)
             await self.publisher.leases.check_publishable(version, batch_ids)
             return await self._run(plan, ports, buckets, batch_ids, results)
         finally:
@@ -175,11 +217,36 @@ class ProcessGroupSync:
         await self.publisher.leases.publish(version, model_path, batch_ids, results, failed)
         for t in ok:
             t.backend.weight_version = str(version)
+            self.publisher.awaiting.discard(t.backend.id)
             pool.mark_healthy(t.backend)  # one that was out of rotation is current again
+        self.publisher.awaiting.update(t.backend.id for t in plan.targets if t.error is not None)
         seconds = time.perf_counter() - t0
         self.publisher.metrics.publish_seconds.observe(seconds)
         self.publisher.metrics.weight_version.set(version)
         return {"version": version, "model_path": model_path, "seconds": round(seconds, 4),
+                "failed_backends": failed, "backends": [t.backend.id for t in ok]}
+
+    async def _run_catch_up(self, plan: Plan, ports: dict[str, int], buckets: list[dict[str, Any]]) -> dict[str, Any]:
+        """The current version to backends out of rotation that lack it: the same steps on them alone (the backends
+        in rotation keep generating), then each that took it comes back; nothing is recorded."""
+        pool, version = self.publisher.pool, plan.version
+        t0 = time.perf_counter()
+        await _each(plan.targets, lambda t: t.backend.client.pause("abort"))
+        await asyncio.gather(*(self._update(t, plan, ports[t.group_name], buckets) for t in plan.targets))
+        await _each([t for t in plan.targets if t.error is not None],
+                    lambda t: t.backend.client.abort("", abort_all=True))
+        await _each(plan.targets, lambda t: t.backend.client.continue_())
+        failed = {t.backend.id: t.error or "" for t in plan.targets if t.error is not None}
+        ok = [t for t in plan.targets if t.error is None]
+        for t in ok:
+            if t.backend.id in {b.id for b in pool.backends()}:  # a DELETE may have taken it out meanwhile
+                t.backend.weight_version = str(version)
+                self.publisher.awaiting.discard(t.backend.id)
+                pool.mark_healthy(t.backend)
+                log.info("backend %s caught up to version %d over a process group", t.backend.id, version)
+        for bid, error in failed.items():
+            log.error("backend %s failed to catch up to version %d: %s", bid, version, error)
+        return {"version": version, "catch_up": True, "seconds": round(time.perf_counter() - t0, 4),
                 "failed_backends": failed, "backends": [t.backend.id for t in ok]}
 
     async def _update(self, t: Target, plan: Plan, port: int, buckets: list[dict[str, Any]]) -> None:
@@ -211,12 +278,15 @@ class ProcessGroupSync:
                 except BackendError as e:  # a dead server has nothing left to destroy
                     log.debug("destroying group %s: %s", t.group_name, e)
 
-    def progress(self) -> dict[str, Any]:
+    async def progress(self) -> dict[str, Any]:
         plan = self.plan
-        if plan is None:
-            return {"sync": None}
-        return {"sync": {"sync_id": plan.sync_id, "version": plan.version, "backend": plan.backend,
-                         "targets": [t.json() for t in plan.targets]}}
+        current, path = await self.publisher.leases.current_weights()
+        awaiting = [b.id for b in self.awaiting()] if path is not None and path.startswith(DISTRIBUTED) else []
+        out: dict[str, Any] = {"version": current, "awaiting_backends": awaiting, "sync": None}
+        if plan is not None:
+            out["sync"] = {"sync_id": plan.sync_id, "version": plan.version, "backend": plan.backend,
+                           "catch_up": plan.catch_up, "targets": [t.json() for t in plan.targets]}
+        return out
 
 
 async def _each(targets: list[Target], fn: Any) -> None:
@@ -243,6 +313,8 @@ class SyncInitBody(Strict):
     backend: Literal["gloo", "nccl"] = "nccl"
     timeout_s: float = Field(default=120.0, gt=0, le=3600)
     """Each collective's and each server call's limit."""
+    catch_up: bool = False
+    """Send the current `version` again, only to the backends that lack it (`awaiting_backends`)."""
 
 
 class Manifest(Strict):
@@ -274,7 +346,8 @@ async def sync_init(request: Request) -> Response:
     await admin(request)
     body = await read_body(request, SyncInitBody)
     await request.app.state.registry.reload()  # backends another gateway added take part
-    return json_response(await _sync(request).init(body.version, body.master_address, body.backend, body.timeout_s))
+    return json_response(await _sync(request).init(body.version, body.master_address, body.backend, body.timeout_s,
+                                                   body.catch_up))
 
 
 @router.post("/v1/weights/sync")
@@ -286,11 +359,12 @@ async def sync(request: Request) -> Response:
             raise BadRequest("each bucket needs as many dtypes and shapes as names", param="buckets")
     out = await _sync(request).sync(body.sync_id, body.version, body.ports, [b.model_dump() for b in body.buckets],
                                     body.batch_ids, body.results)
-    request.app.state.budget.notify_one()  # a new version widens the staleness budget
+    if not out.get("catch_up"):
+        request.app.state.budget.notify_one()  # a new version widens the staleness budget
     return json_response(out)
 
 
 @router.get("/v1/weights/sync")
 async def sync_progress(request: Request) -> Response:
     await admin(request)
-    return json_response(_sync(request).progress())
+    return json_response(await _sync(request).progress())

@@ -35,6 +35,9 @@ class Publisher:
         self.leases = leases
         self.metrics = metrics
         self._lock = asyncio.Lock()
+        self.awaiting: set[str] = set()
+        """Backends kept out because they lack a version published over process groups (or hold part of one): a
+        catch-up sync brings them to it (gateway/weight_sync.py); listed by `GET /v1/weights/sync`."""
         self.adapters = Adapters(pool, leases)
         pool.adapters = self.adapters
 
@@ -99,18 +102,24 @@ class Publisher:
         async with self._lock:
             version, path = await self.leases.current_weights()
             if version == 0 or path is None:  # nothing to load: only a half-received update keeps it out
-                await refuse_partial(backend)
+                try:
+                    await refuse_partial(backend)
+                except AwaitingWeights:
+                    self.awaiting.add(backend.id)
+                    raise
             if version != 0 and path is not None and is_adapter(path):
                 await self.adapters.sync_backend(backend, version, path)  # base weights + adapters (gateway/adapters.py)
             elif version != 0 and path is not None:
                 info = await backend.client.model_info()
                 if str(info.get("weight_version")) != str(version) and path.startswith(DISTRIBUTED):
+                    self.awaiting.add(backend.id)  # no folder to load (gateway/weight_sync.py): the trainer sends it
                     raise AwaitingWeights(f"version {version} was published over process groups: the backend gets "
-                                          "it at the next publish")  # no folder to load (gateway/weight_sync.py)
+                                          "it from the trainer's next catch-up or publish")
                 if str(info.get("weight_version")) != str(version):
                     log.info("loading version %d into backend %s", version, backend.url)
                     await backend.client.update_weights_from_disk(path, str(version))
                 backend.weight_version = str(version)
+            self.awaiting.discard(backend.id)
             self.pool.mark_healthy(backend)
 
     async def sync_all(self) -> None:

@@ -242,11 +242,18 @@ class GatewayClient:
         """`POST /v1/training/steps`: a step's figures and trained sessions (a retry of a version replaces it)."""
         self._request("POST", "/v1/training/steps", json=report)
 
-    def sync_init(self, version: int, master_address: str, backend: str, timeout_s: float) -> dict[str, Any]:
+    def sync_init(self, version: int, master_address: str, backend: str, timeout_s: float,
+                  catch_up: bool = False) -> dict[str, Any]:
         """`POST /v1/weights/sync/init`: the gateway picks the backends of a process-group publish, one group each
-        (`{sync_id, groups: [{group_name, world_size, backend_id}]}`; trainer/weight_sync.py)."""
-        body = {"version": version, "master_address": master_address, "backend": backend, "timeout_s": timeout_s}
+        (`{sync_id, groups: [{group_name, world_size, backend_id}]}`; trainer/weight_sync.py). `catch_up`: the
+        current version again, to the backends that lack it only (no groups: none does)."""
+        body = {"version": version, "master_address": master_address, "backend": backend, "timeout_s": timeout_s,
+                "catch_up": catch_up}
         return dict(self._request("POST", "/v1/weights/sync/init", json=body).json())
+
+    def sync_status(self) -> dict[str, Any]:
+        """`GET /v1/weights/sync`: `{version, awaiting_backends, sync}`."""
+        return dict(self._request("GET", "/v1/weights/sync").json())
 
     def sync(self, sync_id: str, version: int, ports: dict[str, int], buckets: list[dict[str, Any]],
              batch_ids: list[str], results: dict[str, str], timeout: float) -> dict[str, Any]:

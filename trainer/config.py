@@ -113,6 +113,9 @@ class TrainConfig:
     """distributed: megabytes per broadcast bucket (one flat tensor, one server call each)."""
     weight_sync_timeout: float = 120.0
     """distributed: seconds each rendezvous, broadcast and server call may take before it fails."""
+    weight_sync_catch_up_s: float = 5.0
+    """distributed: how often rank 0 asks the gateway for backends that lack the current version (added,
+    restarted, failed mid-update) and sends it to them again; 0 = they wait for the next publish."""
 
     # --- LoRA (trainer/lora.py) ---
     lora_rank: int = 0
@@ -173,6 +176,8 @@ class TrainConfig:
                              "(--weight-sync disk): choose one")
         if self.lora_rank < 0 or self.lora_alpha < 0:
             raise ValueError("lora_rank and lora_alpha must be >= 0")
+        if self.weight_sync_catch_up_s < 0:
+            raise ValueError(f"weight_sync_catch_up_s must be >= 0, got {self.weight_sync_catch_up_s}")
         if self.lora_rank and not [t for t in self.lora_targets.split(",") if t.strip()]:
             raise ValueError("lora_targets names no layer")
         if not 0 <= self.sft_stop_at_match <= 1:

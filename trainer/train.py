@@ -46,7 +46,7 @@ from trainer.metrics import MetricsSink
 from trainer.pipeline import GatewayPipeline
 from trainer.plot import plot_rewards
 from trainer.step import make_optimizer, rl_step
-from trainer.weight_sync import SyncPayload, sync_options
+from trainer.weight_sync import CatchUp, SyncPayload, sync_options
 
 log = logging.getLogger("trainer")
 
@@ -171,6 +171,9 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
     pipe: GatewayPipeline[StepBatch] | None = None
     # each step's figures and advantages go to the gateway's store (the viewer's charts), off this thread
     reporter = StepReporter(client) if client is not None else None
+    # --weight-sync distributed: backends that lack the current version get it again from rank 0 (no folder to load)
+    catch_up = (CatchUp(client, cfg.weight_sync_catch_up_s).start()
+                if client is not None and cfg.weight_sync == "distributed" and cfg.weight_sync_catch_up_s > 0 else None)
     try:
         # ---------------- starting weights: the served version, else --model; then our last checkpoint
         gw_version, gw_path = on_rank0(info, "reading GET /v1/weights", GatewayClient.current_weights, client)
@@ -251,7 +254,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             if cfg.lora_rank:  # only the adapter is published (trainer/lora.py)
                 path = export_adapter(model, cfg, source, out / "adapters" / f"v{version:06d}")
             elif cfg.weight_sync == "distributed":  # gathered on rank 0, broadcast by the publish thread
-                path = SyncPayload.gather(model, source, sync_options(cfg, out))
+                path = SyncPayload.gather(model, source, sync_options(cfg, out, catch_up))
             else:
                 path = export_hf(model, source, out / "weights" / f"v{version:06d}")
             t3 = time.perf_counter()
@@ -305,6 +308,8 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             renewer.close()
         if reporter is not None:
             reporter.close()
+        if catch_up is not None:
+            catch_up.close()
         if client:
             client.close()
         sink.close()

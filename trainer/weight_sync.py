@@ -11,6 +11,10 @@ the new version (docs/http-api.md "Weight sync over process groups"). Buckets ar
 dtype up to `weight_sync_bucket_mb`, each sent as one flat tensor (SGLang's `flattened_bucket` load format).
 Every rendezvous and broadcast has `weight_sync_timeout`. When no backend could take the weights over a group
 (the gateway answers 503), the same state is written as an HF folder and published by path (the disk path).
+
+A backend that lacks the current version (added after it was published, restarted, or failed mid-update) has no
+folder to load it from: `CatchUp` (a thread on rank 0) sees it listed by the gateway and sends it the last
+published payload again (`catch_up: true`), within `weight_sync_catch_up_s` seconds, without a new version.
 """
 
 from __future__ import annotations
@@ -151,6 +155,8 @@ class SyncOptions:
     """Where the disk fallback writes `vNNNNNN` (None: no fallback, the error is raised)."""
     on_bucket: Callable[[int], None] | None = None
     """Tests and benchmarks: called by the publish thread with each bucket count sent to every group."""
+    catch_up: CatchUp | None = None
+    """Told of each version published over process groups, to send it again to backends that lack it."""
 
     def resolved_backend(self) -> str:
         if self.backend == "auto":
@@ -158,18 +164,29 @@ class SyncOptions:
         return self.backend
 
 
-def sync_options(cfg: Any, out: Path) -> SyncOptions:
+def sync_options(cfg: Any, out: Path, catch_up: CatchUp | None = None) -> SyncOptions:
     """From the trainer's config (`weight_sync_*`); the disk fallback writes under `out/weights`."""
     return SyncOptions(address=cfg.weight_sync_address, backend=cfg.weight_sync_backend,
                        bucket_bytes=max(1, int(cfg.weight_sync_bucket_mb * (1 << 20))),
-                       timeout=cfg.weight_sync_timeout, fallback_dir=out / "weights")
+                       timeout=cfg.weight_sync_timeout, fallback_dir=out / "weights", catch_up=catch_up)
 
 
-_POOL: dict[tuple[Any, ...], list[list[torch.Tensor]]] = {}
+class BufferSet:
+    """One set of a publish's flat buffers. `generation` counts the gathers written into it, so a catch-up holding
+    an older payload of this set sees that its data is gone; `lock` keeps a gather from overwriting the set while
+    a catch-up sends from it."""
+
+    def __init__(self, flats: list[torch.Tensor]) -> None:
+        self.flats = flats
+        self.generation = 0
+        self.lock = threading.Lock()
+
+
+_POOL: dict[tuple[Any, ...], list[BufferSet]] = {}
 _TURN: dict[tuple[Any, ...], int] = {}
 
 
-def _buffers(layout: list[list[str]], state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def _buffers(layout: list[list[str]], state: dict[str, torch.Tensor]) -> BufferSet:
     """The flat buffers of a publish, reused: two sets per layout, taken in turn (the training loop holds at most
     two payloads: one publishing, the next just gathered). Fresh memory costs its page faults on every step: a
     100M-parameter copy took 1.5 s into new pages on 2 busy cores."""
@@ -177,8 +194,8 @@ def _buffers(layout: list[list[str]], state: dict[str, torch.Tensor]) -> list[to
     if key not in _POOL:
         _POOL.clear()
         _TURN.clear()
-        _POOL[key] = [[torch.empty(sum(state[n].numel() for n in names), dtype=state[names[0]].dtype)
-                       for names in layout] for _ in range(2)]
+        _POOL[key] = [BufferSet([torch.empty(sum(state[n].numel() for n in names), dtype=state[names[0]].dtype)
+                                 for names in layout]) for _ in range(2)]
     turn = _TURN[key] = 1 - _TURN.get(key, 1)
     return _POOL[key][turn]
 
@@ -187,8 +204,11 @@ class SyncPayload:
     """A step's weights for a process-group publish: the flat buckets (rank 0; nothing on the other ranks), the
     model's config, and the folder the tokenizer files come from (for the disk fallback)."""
 
-    def __init__(self, buckets: list[Bucket], config: Any, source: str | Path, options: SyncOptions) -> None:
+    def __init__(self, buckets: list[Bucket], config: Any, source: str | Path, options: SyncOptions,
+                 buffers: BufferSet | None = None) -> None:
         self.buckets = buckets
+        self.buffers = buffers
+        self.generation = buffers.generation if buffers is not None else 0
         self.config = config
         self.source = Path(source)
         self.options = options
@@ -203,22 +223,28 @@ class SyncPayload:
         state = full_state_dict(model)
         config: Any = model.config
         buckets: list[Bucket] = []
+        buffers = None
         if state:
             if getattr(config, "tie_word_embeddings", False):
                 state.pop("lm_head.weight", None)
             dtype = save_dtype(config)
             state = {k: v.to(dtype) for k, v in state.items()}
             layout = plan_buckets(state, options.bucket_bytes)
-            flats = _buffers(layout, state)
-            for names, flat in zip(layout, flats, strict=True):
-                torch.cat([state[n].reshape(-1) for n in names], out=flat)
-                buckets.append(Bucket(names, [list(state[n].shape) for n in names], flat.dtype, flat))
-        return cls(buckets, config, source, options)
+            buffers = _buffers(layout, state)
+            with buffers.lock:  # waits for a catch-up sending the payload these buffers held
+                buffers.generation += 1
+                for names, flat in zip(layout, buffers.flats, strict=True):
+                    torch.cat([state[n].reshape(-1) for n in names], out=flat)
+                    buckets.append(Bucket(names, [list(state[n].shape) for n in names], flat.dtype, flat))
+        return cls(buckets, config, source, options, buffers)
 
     def publish(self, client: GatewayClient, version: int, batch_ids: list[str], results: dict[str, str]) -> int:
         """Publish over process groups; on a 503 (no backend took them) write the HF folder and publish that."""
         try:
-            return self._publish_distributed(client, version, batch_ids, results)
+            published = self._publish_distributed(client, version, batch_ids, results)
+            if self.options.catch_up is not None:
+                self.options.catch_up.published(self, published)
+            return published
         except GatewayHTTPError as e:
             if e.status != 503 or self.options.fallback_dir is None:
                 raise
@@ -227,12 +253,28 @@ class SyncPayload:
         path = write_hf(self, self.options.fallback_dir / f"v{version:06d}")
         return client.publish(version, str(path), batch_ids, results)
 
+    def catch_up(self, client: GatewayClient, version: int) -> dict[str, Any] | None:
+        """Send this payload (the current version, `version`) again to the backends the gateway lists as lacking
+        it; None when there were none, else the gateway's answer. Call it with the buffers' lock held and the
+        generation checked (`CatchUp`)."""
+        opts = self.options
+        plan = client.sync_init(version, opts.address, opts.resolved_backend(), opts.timeout, catch_up=True)
+        if not plan["groups"]:
+            return None
+        return self._send(client, plan, version, [], {})
+
     def _publish_distributed(self, client: GatewayClient, version: int, batch_ids: list[str],
                              results: dict[str, str]) -> int:
         opts = self.options
+        plan = client.sync_init(version, opts.address, opts.resolved_backend(), opts.timeout)
+        answer = self._send(client, plan, version, batch_ids, results)
+        return int(answer.get("version", version))
+
+    def _send(self, client: GatewayClient, plan: dict[str, Any], version: int, batch_ids: list[str],
+              results: dict[str, str]) -> dict[str, Any]:
+        opts = self.options
         t0 = time.perf_counter()
         backend = opts.resolved_backend()
-        plan = client.sync_init(version, opts.address, backend, opts.timeout)
         groups = plan["groups"]
         senders = [Sender(g, opts.address, free_port(), backend, opts.timeout, self.buckets).start() for g in groups]
         watcher = _Progress(senders, opts.on_bucket).start() if opts.on_bucket else None
@@ -252,7 +294,73 @@ class SyncPayload:
         for s in senders:
             if s.error:
                 log.warning("weight sync to backend %s: %s", s.group.get("backend_id"), s.error)
-        return int(answer.get("version", version))
+        return answer
+
+
+class CatchUp:
+    """Rank 0's watch for backends that lack the current version (added, restarted or failed mid-update since it
+    was published): every `interval` seconds it asks the gateway (`GET /v1/weights/sync`, `awaiting_backends`) and
+    sends them the last published payload, so they serve again within seconds instead of at the next publish. It
+    never blocks training beyond one thing: a gather into the buffers it is sending from waits for that send."""
+
+    def __init__(self, client: GatewayClient, interval: float) -> None:
+        self.client = client
+        self.interval = interval
+        self.caught_up = 0
+        """Backends brought to the current version (tests, logs)."""
+        self._last: tuple[SyncPayload, int] | None = None
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weight-catch-up", daemon=True)
+
+    def start(self) -> CatchUp:
+        self._thread.start()
+        return self
+
+    def published(self, payload: SyncPayload, version: int) -> None:
+        with self._mutex:
+            self._last = (payload, version)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.check()
+            except Exception as e:  # the gateway away or a send failed: the next round (or publish) tries again
+                log.warning("weight catch-up: %s", e)
+
+    def check(self) -> int:
+        """One round: returns how many backends took the current version."""
+        with self._mutex:
+            last = self._last
+        if last is None:
+            return 0
+        status = self.client.sync_status()
+        payload, version = last
+        if not status.get("awaiting_backends") or int(status.get("version", -1)) != version:
+            return 0  # none waits, or a newer version is out: its own payload serves it
+        buffers = payload.buffers
+        if buffers is None:
+            return 0
+        with buffers.lock:
+            if buffers.generation != payload.generation:
+                return 0  # a later gather took these buffers: that version's publish reaches the backends
+            try:
+                answer = payload.catch_up(self.client, version)
+            except GatewayHTTPError as e:
+                if e.status == 409:  # a newer version was published meanwhile
+                    return 0
+                raise
+        if answer is None:
+            return 0
+        took = len(answer.get("backends", []))
+        self.caught_up += took
+        log.info("weight catch-up: version %d sent; taken by %s, failed: %s", version, answer.get("backends"),
+                 answer.get("failed_backends") or "none")
+        return took
 
 
 class _Progress:

@@ -163,7 +163,7 @@ async def add_backend(request: Request) -> Response:
             if not await backend.client.health():
                 raise BackendError(f"{url}/health does not answer 200")
             await state.publisher.sync_backend(backend)
-        except AwaitingWeights as e:  # kept out of rotation: the next publish over process groups brings it up
+        except AwaitingWeights as e:  # kept out of rotation: the trainer's catch-up (or next publish) brings it up
             backend.last_error = str(e)
         except BackendError as e:
             with contextlib.suppress(KeyError):  # a DELETE may have taken it out meanwhile

@@ -148,7 +148,7 @@ def test_publish_over_process_groups_survives_a_killed_engine(tmp_path: Path, ti
         wait_healthy(urls["b"], engines["b"], timeout=180)
         time.sleep(4)  # health rounds: it answers, but lacks version 1
         backends = {b["url"]: b for b in admin.get("/v1/backends").json()["data"]}
-        assert not backends[urls["b"]]["healthy"] and "next publish" in (backends[urls["b"]]["last_error"] or "")
+        assert not backends[urls["b"]]["healthy"] and "next catch-up or publish" in (backends[urls["b"]]["last_error"] or "")
         _groups(admin, 2)
         assert _train(homes["trainer"], gw_url, steps=2).returncode == 0, (homes["trainer"] / "train.log").read_text()
         assert admin.get("/v1/weights").json() == {"version": 2, "model_path": "distributed:v2"}

@@ -1,6 +1,7 @@
 """The gateway's side of a publish over process groups (gateway/weight_sync.py) against scripted SGLang fakes: the
 calls each server gets and in what order, a server that fails mid-update (out of rotation, never on a mix, no
-agent-visible error, brought back by the next publish), a server added later, nobody taking the weights."""
+agent-visible error, brought back by the next publish or a catch-up), a server added later, nobody taking the
+weights, and the catch-up (the current version sent again to the servers that lack it, and to them only)."""
 
 from __future__ import annotations
 
@@ -147,7 +148,7 @@ def test_a_server_added_later_waits_for_the_next_publish(tiny_model_dir: Path, s
         assert publish(gw, 1)[1].status_code == 200
         r = gw.admin.post("/v1/backends", json={"url": c.url})
         assert r.status_code == 201, r.text
-        assert r.json()["healthy"] is False and "next publish" in r.json()["last_error"]
+        assert r.json()["healthy"] is False and "next catch-up or publish" in r.json()["last_error"]
         assert not [p for p, _ in c.calls if p == "/update_weights_from_disk"]  # no folder to load
         for cred in gw.group(4)["sessions"]:
             chat(gw, cred)
@@ -155,3 +156,65 @@ def test_a_server_added_later_waits_for_the_next_publish(tiny_model_dir: Path, s
         plan, r = publish(gw, 2)
         assert r.status_code == 200 and len(plan["groups"]) == 2
         assert c.weight_version == "2" and health(gw)[c.url]["healthy"] is True
+
+
+def catch_up(gw: LiveGateway, version: int, **sync: Any) -> tuple[dict[str, Any], Any]:
+    plan = gw.admin.post("/v1/weights/sync/init", json={"version": version, "master_address": "10.0.0.9",
+                                                         "backend": "gloo", "timeout_s": 5, "catch_up": True})
+    if plan.status_code != 200 or not plan.json()["groups"]:
+        return plan.json(), plan
+    p = plan.json()
+    ports = {g["group_name"]: 41000 + i for i, g in enumerate(p["groups"])}
+    return p, gw.admin.post("/v1/weights/sync", json={"sync_id": p["sync_id"], "version": version, "ports": ports,
+                                                       "buckets": BUCKETS, **sync})
+
+
+def test_a_catch_up_brings_a_server_added_later_to_the_current_version_alone(tiny_model_dir: Path,
+                                                                              sqlite_url: str) -> None:
+    with FakeSGLang() as a, FakeSGLang() as c, LiveGateway(backends=[a.url], tokenizer=str(tiny_model_dir),
+                                                          db=sqlite_url) as gw:
+        # Before any publish over process groups there is nothing to catch up to.
+        assert gw.admin.get("/v1/weights/sync").json() == {"version": 0, "awaiting_backends": [], "sync": None}
+        assert catch_up(gw, 0)[1].status_code == 400  # versions start at 1
+        assert publish(gw, 1)[1].status_code == 200
+        assert catch_up(gw, 1)[0] == {"sync_id": None, "version": 1, "catch_up": True, "groups": []}  # none lacks it
+        r = gw.admin.post("/v1/backends", json={"url": c.url})
+        assert r.status_code == 201 and r.json()["healthy"] is False, r.text
+        c_id = r.json()["id"]
+        assert gw.admin.get("/v1/weights/sync").json()["awaiting_backends"] == [c_id]
+        # Only the current version, and no batches acked with it.
+        assert catch_up(gw, 2)[1].status_code == 409
+        assert catch_up(gw, 1, batch_ids=["b1"])[1].status_code == 400
+        assert gw.admin.get("/v1/weights/sync").json()["sync"] is None  # the refused one let the lock go
+        calls_a = len(a.calls)
+        plan, r = catch_up(gw, 1)
+        assert r.status_code == 200, r.text
+        assert [g["backend_id"] for g in plan["groups"]] == [c_id] and plan["catch_up"] is True
+        out = r.json()
+        assert out["catch_up"] is True and out["backends"] == [c_id] and out["failed_backends"] == {}
+        assert len(a.calls) == calls_a  # the server in rotation was not paused or touched
+        updates = [b for p, b in c.calls if p == "/update_weights_from_distributed"]
+        assert [u.get("weight_version") for u in updates] == [None, None, "1"]
+        assert c.weight_version == "1" and health(gw)[c.url]["healthy"] is True
+        assert gw.admin.get("/v1/weights").json() == {"version": 1, "model_path": "distributed:v1"}  # no new version
+        assert gw.admin.get("/v1/weights/sync").json()["awaiting_backends"] == []
+
+
+def test_a_server_failing_mid_update_is_caught_up_without_a_new_version(tiny_model_dir: Path, sqlite_url: str) -> None:
+    with FakeSGLang() as a, FakeSGLang() as b, LiveGateway(backends=[a.url, b.url], tokenizer=str(tiny_model_dir),
+                                                          db=sqlite_url) as gw:
+        b.fail_sync_at = 1
+        _, r = publish(gw, 1)
+        assert r.status_code == 200 and b.weight_version == "1-partial", r.text
+        bid = next(iter(r.json()["failed_backends"]))
+        assert gw.admin.get("/v1/weights/sync").json()["awaiting_backends"] == [bid]
+        # A catch-up that fails again leaves it out, still listed, and the gateway free for the next one.
+        _, r = catch_up(gw, 1)
+        assert r.status_code == 200 and list(r.json()["failed_backends"]) == [bid], r.text
+        assert health(gw)[b.url]["healthy"] is False and b.weight_version == "1-partial"
+        assert gw.admin.get("/v1/weights/sync").json()["awaiting_backends"] == [bid]
+        b.fail_sync_at = None
+        _, r = catch_up(gw, 1)
+        assert r.status_code == 200 and r.json()["backends"] == [bid], r.text
+        assert b.weight_version == "1" and health(gw)[b.url]["healthy"] is True
+        assert gw.admin.get("/v1/weights").json()["version"] == 1

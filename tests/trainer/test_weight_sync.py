@@ -81,3 +81,49 @@ def test_config_takes_the_distributed_path_and_refuses_it_with_lora() -> None:
         load_config(None, {**base, "weight-sync": "ftp"})
     with pytest.raises(ValueError, match="LoRA"):
         load_config(None, {**base, "weight-sync": "distributed", "lora-rank": "4"})
+
+
+class _Status:
+    """A gateway client that lists one backend lacking `version` and records the catch-ups asked for."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.inits: list[tuple[Any, ...]] = []
+
+    def sync_status(self) -> dict[str, Any]:
+        return {"version": self.version, "awaiting_backends": ["b"], "sync": None}
+
+    def sync_init(self, *args: Any, catch_up: bool = False) -> dict[str, Any]:
+        self.inits.append((*args, catch_up))
+        return {"sync_id": None, "version": args[0], "catch_up": True, "groups": []}
+
+
+def test_a_catch_up_sends_only_the_current_version_from_buffers_no_gather_took(tiny_model_dir: Path) -> None:
+    from trainer.weight_sync import CatchUp
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    gather = lambda: SyncPayload.gather(model, tiny_model_dir, SyncOptions(bucket_bytes=50_000))  # noqa: E731
+    client = _Status(1)
+    watch = CatchUp(client, 60)  # type: ignore[arg-type]
+    assert watch.check() == 0 and client.inits == []  # nothing published yet
+    first = gather()
+    watch.published(first, 1)
+    assert watch.check() == 0 and [i[0] for i in client.inits] == [1] and client.inits[0][-1] is True
+    client.version = 2  # a newer version is out: its own publish reaches the backends
+    assert watch.check() == 0 and len(client.inits) == 1
+    client.version = 1
+    gather()  # the other buffer set
+    assert watch.check() == 0 and len(client.inits) == 2  # still the first payload's data: asked for
+    gather()  # the first payload's buffers again: its data is gone, so it is never sent
+    assert first.buffers is not None and first.buffers.generation != first.generation
+    assert watch.check() == 0 and len(client.inits) == 2
+
+
+def test_catch_up_period_is_a_setting() -> None:
+    from trainer.config import load_config
+
+    base = {"gateway": "http://gw", "model": "m", "weight-sync": "distributed"}
+    assert load_config(None, base).weight_sync_catch_up_s == 5.0
+    assert load_config(None, {**base, "weight-sync-catch-up-s": "0"}).weight_sync_catch_up_s == 0
+    with pytest.raises(ValueError, match="catch_up"):
+        load_config(None, {**base, "weight-sync-catch-up-s": "-1"})
