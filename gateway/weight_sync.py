@@ -153,8 +153,9 @@ class ProcessGroupSync:
                            "groups is caught up this way", param="version")
 
     def awaiting(self) -> list[Backend]:
-        """Backends out of rotation that lack the current version (it came over process groups): what a catch-up
-        would send it to."""
+        """Backends out of rotation that lack the current version (it came over process groups) and answered the
+        health loop since their last failure (it lists them in `sync_backend`): what a catch-up would send it to.
+        A dead one is not listed, so the trainer's catch-up does not keep the publish lock on its health check."""
         awaiting = self.publisher.awaiting
         return [b for b in self.publisher.pool.backends() if not b.healthy and b.id in awaiting]
 
@@ -219,7 +220,6 @@ class ProcessGroupSync:
             t.backend.weight_version = str(version)
             self.publisher.awaiting.discard(t.backend.id)
             pool.mark_healthy(t.backend)  # one that was out of rotation is current again
-        self.publisher.awaiting.update(t.backend.id for t in plan.targets if t.error is not None)
         seconds = time.perf_counter() - t0
         self.publisher.metrics.publish_seconds.observe(seconds)
         self.publisher.metrics.weight_version.set(version)
@@ -244,8 +244,10 @@ class ProcessGroupSync:
                 self.publisher.awaiting.discard(t.backend.id)
                 pool.mark_healthy(t.backend)
                 log.info("backend %s caught up to version %d over a process group", t.backend.id, version)
-        for bid, error in failed.items():
-            log.error("backend %s failed to catch up to version %d: %s", bid, version, error)
+        for t in plan.targets:
+            if t.error is not None:  # listed again once it answers a health probe (`sync_backend`), not before
+                self.publisher.awaiting.discard(t.backend.id)
+                log.error("backend %s failed to catch up to version %d: %s", t.backend.id, version, t.error)
         return {"version": version, "catch_up": True, "seconds": round(time.perf_counter() - t0, 4),
                 "failed_backends": failed, "backends": [t.backend.id for t in ok]}
 

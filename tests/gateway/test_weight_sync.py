@@ -39,6 +39,13 @@ def publish(gw: LiveGateway, version: int, **init: Any) -> tuple[dict[str, Any],
                                                        "buckets": BUCKETS})
 
 
+def wait_for(cond: Any, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.1)
+
+
 def chat(gw: LiveGateway, cred: dict[str, Any]) -> Any:
     return gw.openai(cred).chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}],
                                                    max_tokens=8)
@@ -207,12 +214,13 @@ def test_a_server_failing_mid_update_is_caught_up_without_a_new_version(tiny_mod
         _, r = publish(gw, 1)
         assert r.status_code == 200 and b.weight_version == "1-partial", r.text
         bid = next(iter(r.json()["failed_backends"]))
-        assert gw.admin.get("/v1/weights/sync").json()["awaiting_backends"] == [bid]
-        # A catch-up that fails again leaves it out, still listed, and the gateway free for the next one.
+        listed = lambda: gw.admin.get("/v1/weights/sync").json()["awaiting_backends"]  # noqa: E731
+        wait_for(lambda: listed() == [bid], "b listed once it answers a health probe")
+        # A catch-up that fails again leaves it out, listed again at its next health probe, and the gateway free.
         _, r = catch_up(gw, 1)
         assert r.status_code == 200 and list(r.json()["failed_backends"]) == [bid], r.text
         assert health(gw)[b.url]["healthy"] is False and b.weight_version == "1-partial"
-        assert gw.admin.get("/v1/weights/sync").json()["awaiting_backends"] == [bid]
+        wait_for(lambda: listed() == [bid], "b listed again")
         b.fail_sync_at = None
         _, r = catch_up(gw, 1)
         assert r.status_code == 200 and r.json()["backends"] == [bid], r.text
