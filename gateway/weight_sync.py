@@ -163,7 +163,7 @@ class ProcessGroupSync:
         candidates = self.awaiting()
         alive = await asyncio.gather(*(b.client.health() for b in candidates))
         chosen = [b for b, ok in zip(candidates, alive, strict=True) if ok]
-        return [t for t in await self._sized(chosen, version, tag)]
+        return await self._sized(chosen, version, tag)
 
     def _release(self, plan: Plan) -> None:
         if not plan.released:
