@@ -27,7 +27,8 @@ from tests.ui.fill import SYSTEM, TOOLS
 pytestmark = pytest.mark.slow
 
 
-def _agent(gw: LiveGateway, cred: dict[str, Any], a: int, b: int, *, during_reply_2: Any = None) -> None:
+def _agent(gw: LiveGateway, cred: dict[str, Any], a: int, b: int, *, before_reply_2: Any = None,
+           during_reply_2: Any = None) -> None:
     client = gw.openai(cred, timeout=120)
     msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a}+{b}?"}]
     r1 = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=24)
@@ -36,6 +37,8 @@ def _agent(gw: LiveGateway, cred: dict[str, Any], a: int, b: int, *, during_repl
     call_id = m1.tool_calls[0].id if m1.tool_calls else "call_0"
     msgs.append({"role": "tool", "tool_call_id": call_id, "content": str(a + b)})
     done: dict[str, Any] = {}
+    if before_reply_2 is not None:
+        before_reply_2()
     t = threading.Thread(target=lambda: done.setdefault(
         "r", client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=160)))
     t.start()
@@ -54,15 +57,26 @@ def test_viewer_over_a_real_run(tiny_model_dir: Path, sqlite_url: str, browser: 
             LiveGateway(backends=[engine], tokenizer=str(tiny_model_dir), db=sqlite_url) as gw:
         group = gw.group(2, task={"prompt": "What is 17+25?", "answer": 42})
         published: list[int] = []
+        start: list[float] = []
+
+        def decode_steps() -> float:
+            metrics = httpx.get(engine + "/metrics", timeout=10).text.splitlines()
+            return next(float(x.split()[1]) for x in metrics if x.startswith("rollway_engine_decode_steps_total"))
 
         def publish_soon() -> None:
-            time.sleep(0.5)  # reply 2 under way: 160 tokens at ~20 ms each on 2 cores
+            # Reply 2 under way: the engine has decoded a few of its tokens (one request, so one step a token). A
+            # fixed sleep missed it on a quiet machine, where the 160 tokens took under half a second.
+            deadline = time.monotonic() + 60
+            while decode_steps() < start[0] + 6:
+                assert time.monotonic() < deadline, "reply 2 did not start decoding"
+                time.sleep(0.002)
             version = gw.admin.get("/v1/weights").json()["version"] + 1
             r = gw.admin.post("/v1/weights", json={"version": version, "model_path": str(tiny_model_dir)})
             assert r.status_code == 200, r.text
             published.append(version)
 
-        _agent(gw, group["sessions"][0], 17, 25, during_reply_2=publish_soon)
+        _agent(gw, group["sessions"][0], 17, 25, before_reply_2=lambda: start.append(decode_steps()),
+               during_reply_2=publish_soon)
         _agent(gw, group["sessions"][1], 17, 25)
         for cred, reward in zip(group["sessions"], [1.0, 0.0], strict=True):
             gw.admin.post(f"/v1/sessions/{cred['session_id']}/reward", json={"reward": reward, "finish": True}) \
