@@ -244,18 +244,22 @@ def test_stop_string_holdback(pieces: list[str], stops: list[str], out: str) -> 
 
 def test_responses_client_gone_mid_stream_is_recorded(gateway: Any, fake: Any) -> None:
     """The Responses stream shares the chat stream's disconnect handling: the partial turn is stored."""
-    cred = gateway.group(2)["sessions"][0]
-    body = {"model": "m", "input": "a long one", "max_output_tokens": 3000, "stream": True}
-    with httpx.stream("POST", f"{gateway.url}/v1/responses", json=body,
-                      headers={"Authorization": f"Bearer {cred['api_key']}"}, timeout=30) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(20)]
-    assert any(line.startswith("event: response.output_text.delta") for line in got)
-    deadline = time.monotonic() + 10
-    turns: list[Any] = []
-    while not turns and time.monotonic() < deadline:
-        turns = gateway.session(cred["session_id"])["turns"]
-        time.sleep(0.05)
-    (turn,) = turns
-    assert turn["client_disconnected"] is True and turn["finish_reason"] == "abort"
-    assert 0 < len(turn["completion_ids"]) < 3000
+    fake.token_delay = 0.005  # else the 3000 tokens can all be out before the client goes (seen in CI: a whole turn)
+    try:
+        cred = gateway.group(2)["sessions"][0]
+        body = {"model": "m", "input": "a long one", "max_output_tokens": 3000, "stream": True}
+        with httpx.stream("POST", f"{gateway.url}/v1/responses", json=body,
+                          headers={"Authorization": f"Bearer {cred['api_key']}"}, timeout=30) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(20)]
+        assert any(line.startswith("event: response.output_text.delta") for line in got)
+        deadline = time.monotonic() + 10
+        turns: list[Any] = []
+        while not turns and time.monotonic() < deadline:
+            turns = gateway.session(cred["session_id"])["turns"]
+            time.sleep(0.05)
+        (turn,) = turns
+        assert turn["client_disconnected"] is True and turn["finish_reason"] == "abort"
+        assert 0 < len(turn["completion_ids"]) < 3000
+    finally:
+        fake.token_delay = 0.0  # the fake is the module's
