@@ -126,3 +126,10 @@ class Tree:
 def has(text: str) -> Callable[[list[Proc]], bool]:
     """At least one descendant's command line contains `text`."""
     return lambda procs: any(text in p.cmdline for p in procs)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a rollway process a test starts: this one's without any `ROLLWAY_*` setting (a
+    developer's shell must not change what the test sees), one torch thread, then `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAY_")}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}

@@ -27,6 +27,7 @@ import openai
 import pytest
 
 from rollway.embedded import free_port, wait_healthy
+from tests.e2e.procs import child_env
 
 pytestmark = pytest.mark.slow
 ADMIN = "rw-admin-kill9"
@@ -34,9 +35,7 @@ CLIENTS = 32
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAY_")}
-    env.update(ROLLWAY_ADMIN_KEY=ADMIN, OMP_NUM_THREADS="1")
-    return env
+    return child_env(ROLLWAY_ADMIN_KEY=ADMIN)
 
 
 def _engine(model: Path, port: int, log: Path) -> subprocess.Popen[bytes]:

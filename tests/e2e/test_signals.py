@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from rollway.embedded import free_port
-from tests.e2e.procs import Tree, has
+from tests.e2e.procs import Tree, child_env, has
 from tests.fakes.sglang import FakeSGLang
 from tests.harness import ADMIN_KEY, LiveGateway
 
@@ -27,11 +27,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGKILL]
 STOP_BOUND_S = 30.0  # torchrun gives its workers a grace period before it kills them
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAY_")}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +50,7 @@ def test_train_stops_torchrun_and_workers(sig: signal.Signals, gateway: LiveGate
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollway.cli", "train", "--gateway", gateway.url, "--model", str(tiny_model_dir),
          "--out", str(out), "--nproc", "1", "--wait-seconds", "1"],
-        env=_env(ROLLWAY_ADMIN_KEY=ADMIN_KEY), stdout=log, stderr=subprocess.STDOUT,
+        env=child_env(ROLLWAY_ADMIN_KEY=ADMIN_KEY), stdout=log, stderr=subprocess.STDOUT,
     )
     tree = Tree(proc.pid)
     leased = _lease_requests(gateway)
@@ -82,7 +77,7 @@ def _serve(tmp_path: Path, model: Path, port: int, **env: str) -> subprocess.Pop
     return subprocess.Popen(
         [sys.executable, "-m", "rollway.cli", "serve", "--model", str(model), "--port", str(port),
          "--data-dir", str(tmp_path / "data")],
-        env=_env(**env), stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "wb"),
+        env=child_env(**env), stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "wb"),
     )
 
 

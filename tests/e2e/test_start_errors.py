@@ -3,7 +3,6 @@ waits for: a port in use, --backend without --tokenizer, a backend that never an
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -14,12 +13,8 @@ from pathlib import Path
 import httpx
 
 from rollway.embedded import free_port
+from tests.e2e.procs import child_env
 from tests.fakes.sglang import FakeSGLang
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAY_")}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 def _serve(*args: str) -> list[str]:
@@ -33,7 +28,7 @@ def test_port_in_use_fails_before_anything_starts(tmp_path: Path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         # No --backend: the embedded engine (and the tiny model it needs) would come first.
-        r = subprocess.run(_serve("--port", str(port), "--data-dir", str(data)), env=_env(),
+        r = subprocess.run(_serve("--port", str(port), "--data-dir", str(data)), env=child_env(),
                            capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert f"port {port}" in r.stderr and "already in use" in r.stderr, r.stderr
@@ -46,7 +41,7 @@ def test_backend_without_tokenizer_fails_before_migrations(tmp_path: Path) -> No
     db = tmp_path / "gw.db"
     r = subprocess.run(_serve("--backend", "http://127.0.0.1:9", "--db", f"sqlite:///{db}", "--port",
                               str(free_port()), "--data-dir", str(tmp_path / "data")),
-                       env=_env(), capture_output=True, text=True, timeout=60)
+                       env=child_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--tokenizer" in r.stderr, r.stderr
     assert not db.exists(), "the database was migrated before the command was refused"
     assert not (tmp_path / "data").exists()
@@ -59,7 +54,7 @@ def test_a_backend_that_never_answers_is_said_plainly(tiny_model_dir: Path, tmp_
     proc = subprocess.Popen(
         _serve("--backend", backend, "--tokenizer", str(tiny_model_dir), "--port", str(port),
                "--data-dir", str(tmp_path / "data")),
-        env=_env(ROLLWAY_HEALTH_INTERVAL_S="0.5"), stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
+        env=child_env(ROLLWAY_HEALTH_INTERVAL_S="0.5"), stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
     )
     url = f"http://127.0.0.1:{port}"
     try:

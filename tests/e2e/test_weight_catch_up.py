@@ -4,7 +4,6 @@ gloo group per server, the `CatchUp` thread as `rollway train --weight-sync dist
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollway.embedded import free_port, wait_healthy
+from tests.e2e.procs import child_env
 from trainer.client import GatewayClient
 from trainer.weight_sync import CatchUp, SyncOptions, SyncPayload
 
@@ -23,9 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAY_")}
-    env.update(ROLLWAY_ADMIN_KEY=ADMIN, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return env
+    return child_env(ROLLWAY_ADMIN_KEY=ADMIN, PYTHONPATH=str(REPO))
 
 
 def _start(cmd: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:

@@ -7,7 +7,6 @@ bucket, after which A and B generate the same greedy tokens (the same weights)."
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -22,6 +21,7 @@ import openai
 import pytest
 
 from rollway.embedded import free_port, wait_healthy
+from tests.e2e.procs import child_env
 
 pytestmark = pytest.mark.slow
 ADMIN = "rw-admin-weight-sync"
@@ -29,9 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAY_")}
-    env.update(ROLLWAY_ADMIN_KEY=ADMIN, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return env
+    return child_env(ROLLWAY_ADMIN_KEY=ADMIN, PYTHONPATH=str(REPO))
 
 
 def _engine(home: Path, hidden: Path, port: int) -> subprocess.Popen[bytes]:
