@@ -48,32 +48,59 @@ def fused_head(model: nn.Module) -> bool:
     )
 
 
+def packable(model: nn.Module) -> bool:
+    """Whether the model can run a micro-batch's packed layout (`trainer.batching.Packed`): a fused head (its
+    hidden states are what is gathered), SDPA attention (it takes the 4D boolean mask as given; flash attention
+    takes none) and no sliding window (the mask would override it)."""
+    config = getattr(model, "config", None)
+    if config is None or not fused_head(model) or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False
+    return all(t == "full_attention" for t in getattr(config, "layer_types", None) or ())
+
+
 def forward_logprobs(
     model: nn.Module,
     mb: MicroBatch,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Logprobs (B, T) of the targets, and optionally the entropies, under `model`.
+    """Logprobs (B, T) of the targets, and optionally the entropies, under `model`. Only the positions of loss
+    tokens (`loss_mask` > 0) are computed on the fused path, and the rest are 0: every use masks them out.
 
     With a plain head the full (B, T, V) logits are never made: the model runs with no positions to keep,
-    and `token_logprobs` applies the head to the final hidden states a chunk at a time. Under FSDP2 the head's
-    weight is then the root module's gathered one: FSDP2 keeps the root's parameters gathered after its
-    forward, and reduces their gradients at the end of the backward (tests/trainer/test_chunked_logprobs.py).
+    and `token_logprobs` applies the head to the final hidden states of the loss positions, a chunk at a time.
+    Under FSDP2 the head's weight is then the root module's gathered one: FSDP2 keeps the root's parameters
+    gathered after its forward, and reduces their gradients at the end of the backward
+    (tests/trainer/test_chunked_logprobs.py). With `mb.packed` and a model that can take it, the model runs the
+    packed layout (shared prompts once) and each loss position's hidden state is gathered from there.
     """
-    if not fused_head(model):
+    if not fused_head(model) or mb.loss_index is None:
         logits = model(input_ids=mb.input_ids, use_cache=False).logits  # (B, T, V)
         return token_logprobs(logits, mb.targets, mb.temperature, with_entropy)
     head = model.get_submodule("lm_head")
     none = torch.zeros(0, dtype=torch.long, device=mb.input_ids.device)
+    packed = mb.packed if mb.packed is not None and packable(model) else None
+    inputs: dict[str, Tensor] = {"input_ids": mb.input_ids}
+    if packed is not None:
+        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "attention_mask": packed.attend}
     with warnings.catch_warnings():
         # FSDP2 warns that hidden_states[0] (the embedding output) is a view, unsafe to modify in place;
         # nothing here does
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        out = model(input_ids=mb.input_ids, use_cache=False, logits_to_keep=none, output_hidden_states=True)
-    hidden = out.hidden_states[-1]  # (B, T, H), after the final norm
-    return token_logprobs(
-        hidden, mb.targets, mb.temperature, with_entropy, head_weight=head.get_parameter("weight")
+        out = model(**inputs, use_cache=False, logits_to_keep=none, output_hidden_states=True)
+    hidden = out.hidden_states[-1]  # after the final norm
+    source = mb.loss_index if packed is None else packed.source
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, source)  # (N, H)
+    idx = mb.loss_index
+    logp_n, ent_n = token_logprobs(
+        h[None], mb.targets.reshape(-1)[idx][None], mb.temperature.reshape(-1)[idx][None], with_entropy,
+        head_weight=head.get_parameter("weight"),
     )
+    b, t = mb.targets.shape
+    logp = logp_n.new_zeros(b * t).index_copy(0, idx, logp_n[0]).view(b, t)
+    entropy = None if ent_n is None else ent_n.new_zeros(b * t).index_copy(0, idx, ent_n[0]).view(b, t)
+    return logp, entropy
 
 
 @torch.no_grad()
