@@ -130,6 +130,29 @@ async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: b
     return str(state), group_end
 
 
+_ADMISSION = (
+    "SELECT (SELECT value FROM settings WHERE key = 'max_head_offpolicyness'), "
+    "(SELECT value FROM settings WHERE key = 'groups_per_step'), "
+    "(SELECT max(version) FROM weight_versions), "
+    f"(SELECT count(*) FROM {G.name} WHERE state IN ('open', 'complete', 'leased', 'trained') AND NOT is_eval)"
+)
+"""`Leases.admission`'s three reads (the settings, the current version, the groups counted) in one statement: one
+round trip per group creation. Checked against the Core path by tests/gateway/test_store_direct.py."""
+
+AdmissionRow = tuple[Any, Any, int, int]
+"""eta and groups per step as stored (None when unset), the current version (0 before any), groups counted."""
+
+
+def _json_value(v: Any) -> Any:
+    # SQLite gives a JSON column's number back as a number (the column's type name gives it numeric affinity)
+    return orjson.loads(v) if isinstance(v, str | bytes) else v
+
+
+def _admission_row(raw: Any) -> AdmissionRow:
+    eta, b, version, counted = raw
+    return _json_value(eta), _json_value(b), int(version or 0), int(counted)
+
+
 class _TransactionFailed(Exception):
     """BEGIN or COMMIT failed (its cause is the driver's error): no turn of the batch was stored."""
 
@@ -217,6 +240,9 @@ class SqliteStatements:
             raise
         return results
 
+    async def admission(self) -> AdmissionRow:
+        return _admission_row(self.db.execute(_ADMISSION).fetchone())
+
     async def reward_session(self, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
         """`reward_session` in one transaction, under the store's write lock (as every write to the file)."""
 
@@ -282,6 +308,9 @@ class PgStatements:
         if seq is None:
             raise NotFound(f"no session {session_id}")
         return int(seq)
+
+    async def admission(self) -> AdmissionRow:
+        return _admission_row(await self.pool.fetchrow(_ADMISSION))
 
     async def reward_session(self, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
         """`reward_session` in one transaction. The first read locks the session's row and its group's (FOR

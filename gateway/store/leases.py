@@ -225,18 +225,21 @@ class Leases:
                     await conn.execute(KV.insert().values(key=key, value=value))
 
     async def admission(self, default_b: int, default_eta: int) -> tuple[bool, int, int]:
-        """(allowed, counted groups, limit). Limit -1 = no admission control."""
-        async with self.engine.connect() as conn:
-            kv = {row.key: row.value for row in (await conn.execute(select(KV.c.key, KV.c.value))).all()}
-            eta = int(kv.get("max_head_offpolicyness", default_eta))
-            b = int(kv.get("groups_per_step", default_b))
-            if eta < 0:
-                return True, 0, -1
-            version = (await conn.execute(select(func.max(W.c.version)))).scalar() or 0
-            counted = (
-                await conn.execute(
-                    select(func.count()).select_from(G).where(and_(G.c.state.in_(COUNTED), G.c.is_eval.is_(False)))
-                )
-            ).scalar_one()
+        """(allowed, counted groups, limit). Limit -1 = no admission control. On the store's direct path (every
+        opened store) one statement; the Core path's three reads are what it replaces."""
+        direct = self.store.direct
+        if direct is not None:
+            stored_eta, stored_b, version, counted = await direct.admission()
+        else:
+            async with self.engine.connect() as conn:
+                kv = {row.key: row.value for row in (await conn.execute(select(KV.c.key, KV.c.value))).all()}
+                stored_eta, stored_b = kv.get("max_head_offpolicyness"), kv.get("groups_per_step")
+                version = (await conn.execute(select(func.max(W.c.version)))).scalar() or 0
+                counted = (await conn.execute(select(func.count()).select_from(G).where(
+                    and_(G.c.state.in_(COUNTED), G.c.is_eval.is_(False))))).scalar_one()
+        eta = int(default_eta if stored_eta is None else stored_eta)
+        b = int(default_b if stored_b is None else stored_b)
+        if eta < 0:
+            return True, 0, -1
         limit = (eta + version + 1) * b
         return counted < limit, int(counted), limit

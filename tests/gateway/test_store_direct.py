@@ -199,3 +199,50 @@ async def test_sessions_of_a_group_finishing_at_once_complete_it(db_url: str) ->
         assert (await store.group(gid))["state"] == "complete"
     finally:
         await store.close()
+
+
+async def test_admission_reads_what_the_core_path_reads(db_url: str) -> None:
+    """`Leases.admission` on the direct path (one statement) and on the Core path (three reads): the same answer
+    with nothing set, with eta and B remembered from a lease request, after versions, and with groups in every
+    state (eval groups and dropped ones are not counted)."""
+    from sqlalchemy import update
+
+    from gateway.store.leases import G, LeaseRequest, Leases
+
+    store = Store(create_engine(db_url))
+    await store.open()
+    leases = Leases(store, gamma=1.0)
+
+    async def both(default_b: int = 4, default_eta: int = 1) -> tuple[bool, int, int]:
+        direct_answer = await leases.admission(default_b, default_eta)
+        direct, store.direct = store.direct, None
+        try:
+            core_answer = await leases.admission(default_b, default_eta)
+        finally:
+            store.direct = direct
+        assert direct_answer == core_answer
+        return direct_answer
+
+    try:
+        assert store.direct is not None
+        version = (await leases.current_weights())[0]
+        _, before, limit = await both()  # the module's database: earlier tests' groups are there
+        assert limit == (1 + version + 1) * 4  # the defaults
+        gids = [(await store.create_group({"q": i}, 2, sampling={}))[0] for i in range(6)]
+        await store.create_group({"q": "eval"}, 2, sampling={}, is_eval=True)
+        async with store.begin() as conn:
+            for gid, state in zip(gids, ("open", "complete", "leased", "trained", "dropped", "dropped"), strict=True):
+                await conn.execute(update(G).where(G.c.id == gid).values(state=state))
+        n = before + 4
+        assert await both() == (n < limit, n, limit)
+        await leases._remember_params(LeaseRequest(max_groups=1, lease_seconds=1.0, groups_per_step=3,
+                                                   max_head_offpolicyness=0, trainer_version=None))
+        assert await both() == (n < (version + 1) * 3, n, (version + 1) * 3)  # stored values win over defaults
+        await leases.publish(version + 1, "/m/1", [], {}, {})
+        await leases.publish(version + 2 + n, "/m/2", [], {}, {})
+        assert await both() == (True, n, (version + 3 + n) * 3)
+        await leases._remember_params(LeaseRequest(max_groups=1, lease_seconds=1.0, groups_per_step=3,
+                                                   max_head_offpolicyness=-1, trainer_version=None))
+        assert await both() == (True, 0, -1)  # eta < 0: no admission control
+    finally:
+        await store.close()
