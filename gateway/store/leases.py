@@ -116,8 +116,9 @@ class Leases:
             await conn.execute(B.insert().values(id=batch_id, state="leased", created_at=now, expires_at=expires,
                                                  trainer_version=version))
         groups, stale = [], []
+        samples = await self._group_samples(list(cands), batch_id, req.train_constrained)
         for gid in cands:
-            g = await self._group_samples(gid, batch_id, req.train_constrained)
+            g = samples.get(gid)
             if g is None:
                 continue
             oldest = min((s["_oldest"] for s in g["samples"] if s["_oldest"] is not None), default=None)
@@ -138,28 +139,33 @@ class Leases:
         return batch_id, expires, groups, len(stale)
 
     async def _group_samples(
-        self, group_id: str, batch_id: str, train_constrained: bool = False
-    ) -> dict[str, Any] | None:
+        self, group_ids: list[str], batch_id: str, train_constrained: bool = False
+    ) -> dict[str, dict[str, Any]]:
+        """Each group of `group_ids` still in `batch_id`, with its samples: three queries for the whole lease (the
+        groups, their sessions, the finished sessions' turns), not one per session."""
         async with self.engine.connect() as conn:
-            g = (await conn.execute(select(G.c.task, G.c.batch_id).where(G.c.id == group_id))).first()
-            if g is None or g.batch_id != batch_id:
-                return None
-            sessions = (
-                await conn.execute(select(S.c.id, S.c.reward, S.c.state).where(S.c.group_id == group_id).order_by(S.c.replica))
-            ).all()
-        samples: list[dict[str, Any]] = []
+            found = (await conn.execute(
+                select(G.c.id, G.c.task).where(and_(G.c.id.in_(group_ids), G.c.batch_id == batch_id))
+            )).all()
+            tasks = {row.id: row.task for row in found}
+            sessions = (await conn.execute(
+                select(S.c.group_id, S.c.id, S.c.reward, S.c.state).where(S.c.group_id.in_(list(tasks)))
+                .order_by(S.c.group_id, S.c.replica)
+            )).all()
+        turns = await self.store.turns_of_sessions([s.id for s in sessions if s.state == "finished"])
+        out: dict[str, dict[str, Any]] = {
+            gid: {"group_id": gid, "task": task, "samples": [], "sessions": []} for gid, task in tasks.items()
+        }
         for s in sessions:
+            g = out[s.group_id]
+            g["sessions"].append({"session_id": s.id, "reward": s.reward, "state": s.state})
             if s.state != "finished":
                 continue
-            turns = await self.store.session_turns(s.id)
-            for seq in session_sequences(turns, s.reward, self.gamma, train_constrained=train_constrained):
-                wire = seq.wire(group_id, s.id, s.reward)
+            for seq in session_sequences(turns[s.id], s.reward, self.gamma, train_constrained=train_constrained):
+                wire = seq.wire(s.group_id, s.id, s.reward)
                 wire["_oldest"] = seq.oldest_version
-                samples.append(wire)
-        return {
-            "group_id": group_id, "task": g.task, "samples": samples,
-            "sessions": [{"session_id": s.id, "reward": s.reward, "state": s.state} for s in sessions],
-        }
+                g["samples"].append(wire)
+        return out
 
     async def renew(self, batch_id: str, lease_seconds: float) -> float:
         await self.expire()
