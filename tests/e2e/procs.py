@@ -8,6 +8,7 @@ seen before. Each process is identified by pid and start time, so a pid reused l
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -133,3 +134,10 @@ def child_env(**extra: str) -> dict[str, str]:
     developer's shell must not change what the test sees), one torch thread, then `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAY_")}
     return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def default_sigint() -> None:
+    """A `preexec_fn`: SIGINT back to its default in the child, as in a command started from a terminal. A test run
+    started in the background by a non-interactive shell (`nohup ... &`) has SIGINT ignored, and every process
+    it starts inherits that: Python then raises no KeyboardInterrupt, and a test of Ctrl-C would test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.procs import Proc, Tree
+from tests.e2e.procs import Proc, Tree, default_sigint
 
 pytestmark = [pytest.mark.slow,  # each run starts torchrun twice, the engine and the gateway: about a minute
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -30,7 +30,7 @@ def _demo(out: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
         [sys.executable, "-m", "rollway.cli", "demo", "--out", str(out), "--sft-steps", "3", "--eval-tasks", "2",
          *extra],
         env={**{k: v for k, v in os.environ.items() if not k.startswith("ROLLWAY_")}, "OMP_NUM_THREADS": "1"},
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, preexec_fn=default_sigint,
     )
 
 

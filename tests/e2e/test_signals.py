@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from rollway.embedded import free_port
-from tests.e2e.procs import Tree, child_env, has
+from tests.e2e.procs import Tree, child_env, default_sigint, has
 from tests.fakes.sglang import FakeSGLang
 from tests.harness import ADMIN_KEY, LiveGateway
 
@@ -50,7 +50,7 @@ def test_train_stops_torchrun_and_workers(sig: signal.Signals, gateway: LiveGate
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollway.cli", "train", "--gateway", gateway.url, "--model", str(tiny_model_dir),
          "--out", str(out), "--nproc", "1", "--wait-seconds", "1"],
-        env=child_env(ROLLWAY_ADMIN_KEY=ADMIN_KEY), stdout=log, stderr=subprocess.STDOUT,
+        env=child_env(ROLLWAY_ADMIN_KEY=ADMIN_KEY), stdout=log, stderr=subprocess.STDOUT, preexec_fn=default_sigint,
     )
     tree = Tree(proc.pid)
     leased = _lease_requests(gateway)
@@ -78,6 +78,7 @@ def _serve(tmp_path: Path, model: Path, port: int, **env: str) -> subprocess.Pop
         [sys.executable, "-m", "rollway.cli", "serve", "--model", str(model), "--port", str(port),
          "--data-dir", str(tmp_path / "data")],
         env=child_env(**env), stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "wb"),
+        preexec_fn=default_sigint,
     )
 
 
