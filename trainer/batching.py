@@ -189,7 +189,7 @@ def collate(
     mask[:, 0] = 0.0  # the first token has no context to be scored from
     loss_mask = mask[:, 1:]
     loss_index = torch.nonzero(loss_mask.reshape(-1) > 0).reshape(-1)
-    packed = pack(rows, length - 1)
+    packed = pack(rows, loss_mask > 0)
     return MicroBatch(
         input_ids=ids[:, :-1].to(device),
         targets=ids[:, 1:].to(device),
@@ -211,8 +211,8 @@ def _first_loss(row: Row) -> int | None:
     return None
 
 
-def pack(rows: list[Row], width: int) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-    """The packed layout of `rows` (collated `width` positions wide): (input_ids, position_ids, attend, source),
+def pack(rows: list[Row], trained: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """The packed layout of `rows` (`trained`: collate's (B, T) loss positions): (input_ids, position_ids, attend, source),
     or None when no two rows share their prompt (then packing saves nothing).
 
     A row's prompt is its tokens before its first loss token; the hidden state at the prompt's last position scores
@@ -246,7 +246,7 @@ def pack(rows: list[Row], width: int) -> tuple[Tensor, Tensor, Tensor, Tensor] |
     ids = torch.zeros(len(layout), lp, dtype=torch.long)
     pos = torch.zeros(len(layout), lp, dtype=torch.long)
     attend = torch.eye(lp, dtype=torch.bool).repeat(len(layout), 1, 1)  # padding attends to itself only
-    source = torch.full((len(rows), width), -1, dtype=torch.long)  # (row, t) -> index in Bp * Lp, where needed
+    source = torch.full(trained.shape, -1, dtype=torch.long)  # (row, t) -> index in Bp * Lp, where needed
     for k, (prompt, placed) in enumerate(layout):
         p = len(prompt)
         ids[k, :p] = torch.tensor(prompt, dtype=torch.long)
@@ -262,9 +262,6 @@ def pack(rows: list[Row], width: int) -> tuple[Tensor, Tensor, Tensor, Tensor] |
                 attend[k, start:start + n, start:start + n] = torch.ones(n, n, dtype=torch.bool).tril()
             source[b, p - 1] = k * lp + p - 1  # the prompt's last position scores the first loss token
             source[b, p:p + n] = torch.arange(k * lp + start, k * lp + start + n)
-    flat_mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        flat_mask[b, :len(r.loss_mask) - 1] = torch.tensor([bool(m) for m in r.loss_mask[1:]])
-    src = source[flat_mask]
+    src = source[trained]
     assert bool((src >= 0).all()), "a loss position outside the packed layout"
     return ids, pos, attend.unsqueeze(1), src

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from tests.trainer.trainer_fakes import make_tiny_model
-from trainer.batching import PACK_MAX_LEN, MicroBatch, Minibatch, Row, collate, pack
+from trainer.batching import PACK_MAX_LEN, MicroBatch, Minibatch, Row, collate
 from trainer.loss import PPOParams
 from trainer.step import forward_logprobs, packable, rl_step
 
@@ -70,9 +70,9 @@ def test_a_group_too_long_for_one_packed_row_is_split() -> None:
     rng = random.Random(2)
     prompt = [5] * 100
     rows = [row(prompt, [rng.randrange(1, 500) for _ in range(PACK_MAX_LEN // 3)], rng) for _ in range(5)]
-    packed = pack(rows, max(len(r.token_ids) for r in rows) - 1)
+    packed = collate(rows).packed
     assert packed is not None
-    ids, _, attend, _ = packed
+    ids, attend = packed.input_ids, packed.attend
     # 100 + 2 x 1,364 fits, a third suffix would not: 2 + 2 + 1 suffixes, each packed row with its own prompt
     assert ids.shape[1] == 100 + 2 * 1364 and ids.shape[0] == 3
     assert attend.shape == (3, 1, ids.shape[1], ids.shape[1])
