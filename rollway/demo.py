@@ -103,6 +103,28 @@ def _read_steps(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+class _StepTail:
+    """The rows appended to a metrics.jsonl since the last call: it keeps its offset, so each poll reads and
+    parses only the new lines (re-reading the whole file after every finished group cost the demo's RL phase a
+    growing share of a core: the file has a line per step). A line still being written waits for its newline."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def new_rows(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(chunk)
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        return [json.loads(line) for line in lines if line.strip()]
+
+
 async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str], out: Path, deadline: float,
               steps: int, tasks: list[dict[str, Any]], eval_tasks: list[dict[str, Any]]) -> dict[str, Any]:
     agent = load_agent(agent_file("arithmetic.py"))
@@ -117,7 +139,7 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
         start_eval = await run_eval(runner, eval_tasks, 1, await runner.weight_version())
         append_line(str(out / "eval.jsonl"), json.dumps(start_eval))
         _log(f"held-out greedy accuracy before RL: {start_eval['eval_mean_reward']:.3f}")
-        metrics = out / "train" / "metrics.jsonl"
+        metrics = _StepTail(out / "train" / "metrics.jsonl")
         bar = tqdm(total=steps or None, desc="RL steps", unit="step")
         i = failed = 0
         in_flight: set[asyncio.Task[Any]] = set()
@@ -133,9 +155,9 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
                         failed += 1
                         if failed <= 3:
                             _log(f"a group failed: {d.exception()!r}")
-                rows = _read_steps(metrics)
-                if len(rows) > bar.n:
-                    bar.update(len(rows) - bar.n)
+                rows = metrics.new_rows()
+                if rows:
+                    bar.update(len(rows))
                     bar.set_postfix(reward=f"{rows[-1].get('reward_mean', 0):.3f}")
         finally:
             bar.close()
