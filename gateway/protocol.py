@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.errors import BadRequest
 
@@ -287,6 +287,27 @@ class RewardRequest(Strict):
     turn_rewards: list[TurnReward] | None = None
     finish: bool = False
     """Also finish the session, in the same transaction (one request instead of two)."""
+
+
+class SessionReward(Strict):
+    session_id: str = Field(min_length=1, max_length=64)
+    reward: float
+
+
+class GroupRewardsRequest(Strict):
+    rewards: list[SessionReward] = Field(min_length=1, max_length=4096)
+    """A reward per session, each session of the group at most once (a subset of the group is fine)."""
+    finish: bool = False
+    """Also finish each of these sessions, in the same transaction."""
+
+    @model_validator(mode="after")
+    def _distinct(self) -> GroupRewardsRequest:
+        seen: set[str] = set()
+        for r in self.rewards:
+            if r.session_id in seen:
+                raise ValueError(f"session {r.session_id} is named twice")
+            seen.add(r.session_id)
+        return self
 
 
 class AbandonRequest(Strict):

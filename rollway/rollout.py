@@ -105,6 +105,18 @@ the runner sleeps the Retry-After and asks again). Waiting there, it starts the 
 polling on 429s, it started up to a Retry-After (1 s) later, which the trainer waited for."""
 
 
+def _sdk_platform() -> Any:
+    """The OpenAI SDK's platform name, read once. An async client computes it on its first request, in a worker
+    thread (a thread hop per client): with a client per session that was ~7% of the runner's CPU in the demo's
+    loop (py-spy, benchmarks/loop.py). Each session's client gets the value the SDK would compute itself; with an
+    SDK that no longer has the attribute, None (the client then reads it as before)."""
+    try:
+        from openai._base_client import get_platform
+    except ImportError:
+        return None
+    return get_platform()
+
+
 class Runner:
     """Runs groups against one gateway. Usable in-process (the demo) and from the CLI."""
 
@@ -139,6 +151,7 @@ class Runner:
         self._agent_pools = [openai.DefaultAioHttpClient(timeout=client_timeout, limits=sdk_limits)
                              for _ in range(n_pools)]
         self._next_pool = 0
+        self._platform = _sdk_platform()
 
     async def close(self) -> None:
         for client in self._admin_pools:
@@ -182,9 +195,19 @@ class Runner:
         if metadata:
             body["metadata"] = metadata
         group = await self._post("/v1/groups", body)
-        rewards = await asyncio.gather(*(self._run_session(task, s) for s in group["sessions"]))
+        pool = self._pool_index()
+        rewards = list(await asyncio.gather(*(self._run_session(task, s) for s in group["sessions"])))
+        # One request rewards and finishes every session that ran (a failed one was abandoned): the group is
+        # trainable only once all of its sessions are done anyway. A request per session was ~12% of the
+        # runner's CPU and as large a share of the gateway's requests (benchmarks/loop.py).
+        done = [{"session_id": s["session_id"], "reward": r} for s, r in zip(group["sessions"], rewards, strict=True)
+                if r is not None]
+        if done:
+            await self._post(f"/v1/groups/{group['group_id']}/rewards", {"rewards": done, "finish": True}, pool)
+            self.stats.sessions_done += len(done)
+            self.stats.rewards.extend(d["reward"] for d in done)
         self.stats.groups_done += 1
-        return list(rewards)
+        return rewards
 
     async def _run_session(self, task: dict[str, Any], cred: dict[str, Any]) -> float | None:
         import openai
@@ -199,6 +222,8 @@ class Runner:
                     client = openai.AsyncOpenAI(base_url=cred["base_url"], api_key=cred["api_key"],
                                                 timeout=self.client_timeout, max_retries=2,
                                                 http_client=self._agent_pools[pool])
+                    if self._platform is not None and getattr(client, "_platform", 0) is None:
+                        client._platform = self._platform
                     reward = float(await self.agent(task, client))
                 else:
                     sync_client = openai.OpenAI(base_url=cred["base_url"], api_key=cred["api_key"],
@@ -213,9 +238,6 @@ class Runner:
                 await self._post(f"/v1/sessions/{sid}/abandon", {"reason": f"agent_error: {type(e).__name__}"[:120]},
                                  pool)
                 return None
-            await self._post(f"/v1/sessions/{sid}/reward", {"reward": reward, "finish": True}, pool)
-            self.stats.sessions_done += 1
-            self.stats.rewards.append(reward)
             return reward
 
     async def weight_version(self) -> int:

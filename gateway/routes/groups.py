@@ -11,7 +11,13 @@ from fastapi.responses import Response
 
 from gateway.auth import admin, admin_or_session
 from gateway.errors import BadRequest, TooManyRequests
-from gateway.protocol import AbandonRequest, CreateGroupRequest, RewardRequest, SamplingPolicy
+from gateway.protocol import (
+    AbandonRequest,
+    CreateGroupRequest,
+    GroupRewardsRequest,
+    RewardRequest,
+    SamplingPolicy,
+)
 from gateway.records import session_record
 from gateway.routes.common import json_response, read_body
 from gateway.store.store import Store
@@ -63,6 +69,20 @@ async def create_group(request: Request) -> Response:
 async def get_group(request: Request, group_id: str) -> Response:
     await admin(request)
     return json_response(await request.app.state.store.group(group_id))
+
+
+@router.post("/v1/groups/{group_id}/rewards")
+async def group_rewards(request: Request, group_id: str) -> Response:
+    """Several sessions of a group rewarded (and with `finish`, finished) in one request and one transaction: what
+    a runner sends once its group's sessions are done, instead of a request per session."""
+    await admin(request)
+    body = await read_body(request, GroupRewardsRequest)
+    store: Store = request.app.state.store
+    state, states = await store.set_group_rewards(group_id, [(r.session_id, r.reward) for r in body.rewards],
+                                                  finish=body.finish)
+    return json_response({"group_id": group_id, "ok": True, "state": state,
+                          "sessions": [{"session_id": r.session_id, "state": st}
+                                       for r, st in zip(body.rewards, states, strict=True)]})
 
 
 @router.get("/v1/sessions")

@@ -130,6 +130,61 @@ async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: b
     return str(state), group_end
 
 
+_GROUP_REWARD_READ = (f"SELECT s.id, s.state, s.reward, g.state, g.n_samples FROM {S.name} s "
+                      f"JOIN {G.name} g ON g.id = s.group_id WHERE s.group_id = {{}}")
+
+
+async def reward_group(fetch: Fetch, group_id: str, rewards: Sequence[tuple[str, float]],
+                       finish: bool) -> tuple[str, list[str], str | None]:
+    """`reward_session` for several sessions of one group, in the caller's transaction: the same checks and writes
+    for each, in order, and the group's completion checked once, at the end, from the rows already read (every
+    session of the group, read with the group's state in one statement). An error leaves the transaction to the
+    caller's rollback, so nothing of the call is kept. Returns the group's state after the call, each session's
+    state in the order given, and the group's new state if this call moved it ("complete", "dropped")."""
+    rows = await fetch(_GROUP_REWARD_READ, group_id)
+    if not rows:
+        raise NotFound(f"no group {group_id}")
+    group_state, n_samples = rows[0][3], rows[0][4]
+    sessions = {r[0]: [r[1], r[2]] for r in rows}
+    states: list[str] = []
+    now = time.time()
+    for session_id, reward in rewards:
+        row = sessions.get(session_id)
+        if row is None:
+            raise NotFound(f"session {session_id} is not a session of group {group_id}", param="rewards")
+        state, old_reward = row
+        if state == "abandoned":
+            raise Conflict(f"session {session_id} is abandoned; it takes no reward")
+        sets: dict[str, Any] = {}
+        if old_reward != reward:
+            if group_state in ("leased", "trained"):
+                raise Conflict(f"group of session {session_id} was already {group_state}; reward is final")
+            sets["reward"] = reward
+        if finish and state != "finished":
+            if state != "active":
+                raise Conflict(f"session {session_id} is already {state}")
+            state = "finished"
+            sets.update(state=state, end_reason=None, ended_at=now)
+        if sets:
+            await fetch(f"UPDATE {S.name} SET {', '.join(f'{k} = {{}}' for k in sets)} WHERE id = {{}}",
+                        *sets.values(), session_id)
+        row[0], row[1] = state, reward
+        states.append(str(state))
+    group_end: str | None = None
+    if group_state == "open":  # Store._refresh_group, on the rows as they now are
+        live = [r for r in sessions.values() if r[0] != "abandoned"]
+        if len(live) < min(2, n_samples):
+            if all(r[0] != "active" for r in sessions.values()):
+                group_state = group_end = "dropped"
+                await fetch(f"UPDATE {G.name} SET state = {{}}, drop_reason = {{}}, completed_at = {{}} WHERE id = {{}}",
+                            group_state, "too_few_sessions", time.time(), group_id)
+        elif all(r[0] == "finished" and r[1] is not None for r in live):
+            group_state = group_end = "complete"
+            await fetch(f"UPDATE {G.name} SET state = {{}}, completed_at = {{}} WHERE id = {{}}",
+                        group_state, time.time(), group_id)
+    return str(group_state), states, group_end
+
+
 _ADMISSION = (
     "SELECT (SELECT value FROM settings WHERE key = 'max_head_offpolicyness'), "
     "(SELECT value FROM settings WHERE key = 'groups_per_step'), "
@@ -261,6 +316,25 @@ class SqliteStatements:
                 raise
         return state
 
+    async def reward_group(self, group_id: str, rewards: Sequence[tuple[str, float]],
+                           finish: bool) -> tuple[str, list[str], str | None]:
+        """`reward_group` in one transaction, under the store's write lock."""
+
+        async def fetch(sql: str, *params: Any) -> list[Any]:
+            return self.db.execute(sql.format(*("?" for _ in params)), params).fetchall()
+
+        async with self.write_lock:
+            db = self.db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                out = await reward_group(fetch, group_id, rewards, finish)
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+        return out
+
     async def close(self) -> None:
         """The connection belongs to the engine (`InLoopEngine.dispose` closes it)."""
         if self._writer is not None:
@@ -323,6 +397,19 @@ class PgStatements:
                 return list(await conn.fetch(sql.format(*(f"${i + 1}" for i in range(len(params)))), *params))
 
             return await reward_session(fetch, session_id, reward, finish)
+
+    async def reward_group(self, group_id: str, rewards: Sequence[tuple[str, float]],
+                           finish: bool) -> tuple[str, list[str], str | None]:
+        """`reward_group` in one transaction; its read locks every session of the group and the group (FOR
+        UPDATE), as `reward_session`'s read locks the one session and the group."""
+        async with self.pool.acquire() as conn, conn.transaction():
+
+            async def fetch(sql: str, *params: Any) -> list[Any]:
+                if sql is _GROUP_REWARD_READ:
+                    sql += " FOR UPDATE"
+                return list(await conn.fetch(sql.format(*(f"${i + 1}" for i in range(len(params)))), *params))
+
+            return await reward_group(fetch, group_id, rewards, finish)
 
     async def close(self) -> None:
         try:

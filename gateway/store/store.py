@@ -225,6 +225,27 @@ class Store(ViewerStore):
         self._group_ended(group_end)
         return state
 
+    async def set_group_rewards(self, group_id: str, rewards: list[tuple[str, float]], *,
+                                finish: bool = False) -> tuple[str, list[str]]:
+        """A reward for each of several sessions of one group (and with `finish`, their end), in one transaction:
+        all are stored or, on any error (a session of another group, an abandoned one, a final reward changed),
+        none. Returns the group's state after the call and each session's state, in the order given."""
+        if self.direct is not None:
+            group_state, states, group_end = await self.direct.reward_group(group_id, rewards, finish)
+        else:  # a store not opened (the Core path): one transaction per session, checked against the group first
+            members = {s["id"] for s in (await self.group(group_id))["sessions"]}
+            for session_id, _ in rewards:
+                if session_id not in members:
+                    raise NotFound(f"session {session_id} is not a session of group {group_id}", param="rewards")
+            states = []
+            for session_id, reward in rewards:
+                state, group_end = await self._set_reward(session_id, reward, None, finish)
+                states.append(state)
+                self._group_ended(group_end)
+            return str((await self.group(group_id))["state"]), states
+        self._group_ended(group_end)
+        return group_state, states
+
     def _group_ended(self, group_state: str | None) -> None:
         if group_state is not None and self.on_group_end is not None:
             self.on_group_end(group_state)

@@ -246,3 +246,39 @@ async def test_admission_reads_what_the_core_path_reads(db_url: str) -> None:
         assert await both() == (True, 0, -1)  # eta < 0: no admission control
     finally:
         await store.close()
+
+
+async def test_group_rewards_give_what_the_core_path_gives(db_url: str) -> None:
+    """`Store.set_group_rewards` on the direct path (one transaction) and on the Core path (a transaction per
+    session): the same answers, stored rewards, session states, group state, and group-end notices."""
+    from gateway.errors import Conflict
+
+    store = Store(create_engine(db_url))
+    await store.open()
+    ended: list[str] = []
+    store.on_group_end = ended.append
+    direct = store.direct
+    try:
+        results = []
+        for path in ("direct", "core"):
+            store.direct = direct if path == "direct" else None
+            gid, creds = await store.create_group({"q": path}, 3, sampling={})
+            sids = [sid for sid, _ in creds]
+            await store.end_session(sids[2], "abandoned", "test")
+            with pytest.raises(NotFound):
+                await store.set_group_rewards("grp_missing", [(sids[0], 1.0)], finish=True)
+            with pytest.raises(Conflict):
+                await store.set_group_rewards(gid, [(sids[2], 1.0)], finish=True)
+            first = await store.set_group_rewards(gid, [(sids[0], 1.0)], finish=True)
+            second = await store.set_group_rewards(gid, [(sids[1], 0.25), (sids[0], 1.0)], finish=True)
+            group = await store.group(gid)
+            results.append((first, second, group["state"],
+                            [(s["state"], s["reward"]) for s in group["sessions"]], list(ended)))
+            ended.clear()
+        store.direct = direct
+        assert results[0] == results[1]
+        assert results[0][:2] == (("open", ["finished"]), ("complete", ["finished", "finished"]))
+        assert results[0][4] == ["complete"]
+    finally:
+        store.direct = direct
+        await store.close()
