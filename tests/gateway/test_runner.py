@@ -1,5 +1,5 @@
-"""The runner (`rollway rollout`, the demo's agent driver) against a live gateway: every session rewarded and
-finished in one call, an agent's exception abandons only its own session, and sessions beyond one HTTP pool's
+"""The runner (`rollway rollout`, the demo's agent driver) against a live gateway: every session of a group
+rewarded and finished in one call, an agent's exception abandons only its own session, and sessions beyond one HTTP pool's
 size are spread over several pools."""
 
 from __future__ import annotations
