@@ -23,6 +23,7 @@ from gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     CreateGroupRequest,
+    GroupRewardsRequest,
     ResponsesRequest,
     RewardRequest,
 )
@@ -83,6 +84,9 @@ def _operations() -> dict[tuple[str, str], Operation]:
                                           (*BODY, *ADMIN, 429, *STORE), CreateGroupRequest),
         ("GET", "/v1/groups/{group_id}"): Operation("A group and its sessions", "admin", 200,
                                                     (*ADMIN, 404, *STORE)),
+        ("POST", "/v1/groups/{group_id}/rewards"): Operation(
+            "Reward (and finish) several sessions of a group in one transaction", "admin", 200,
+            (*BODY, *ADMIN, 404, 409, *STORE), GroupRewardsRequest),
         ("GET", "/v1/sessions"): Operation("Sessions, oldest first, a page at a time", "admin", 200,
                                            (400, *ADMIN, *STORE), query=sessions_query),
         ("GET", "/v1/sessions/{session_id}"): Operation("One session's structured record", "admin_or_session", 200,

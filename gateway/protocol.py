@@ -295,7 +295,7 @@ class SessionReward(Strict):
 
 
 class GroupRewardsRequest(Strict):
-    rewards: list[SessionReward] = Field(min_length=1, max_length=4096)
+    rewards: list[SessionReward] = Field(min_length=1, max_length=1024)
     """A reward per session, each session of the group at most once (a subset of the group is fine)."""
     finish: bool = False
     """Also finish each of these sessions, in the same transaction."""

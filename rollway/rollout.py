@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -105,6 +106,21 @@ the runner sleeps the Retry-After and asks again). Waiting there, it starts the 
 polling on 429s, it started up to a Retry-After (1 s) later, which the trainer waited for."""
 
 
+def _finite(value: Any) -> float:
+    reward = float(value)
+    if not math.isfinite(reward):  # the gateway refuses it: the session is abandoned as an agent error
+        raise ValueError(f"the agent returned a reward that is not a finite number: {reward}")
+    return reward
+
+
+class Refused(RuntimeError):
+    """The gateway answered a runner's call with an error status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def _sdk_platform() -> Any:
     """The OpenAI SDK's platform name, read once. An async client computes it on its first request, in a worker
     thread (a thread hop per client): with a client per session that was ~7% of the runner's CPU in the demo's
@@ -180,7 +196,7 @@ class Runner:
                 await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
                 continue
             if r.status_code >= 400:
-                raise RuntimeError(f"POST {path} -> {r.status_code}: {r.text[:500]}")
+                raise Refused(r.status_code, f"POST {path} -> {r.status_code}: {r.text[:500]}")
             return r.json() if r.content else {}
 
     async def run_group(self, task: dict[str, Any], n_samples: int, *, eval_group: bool = False,
@@ -196,18 +212,41 @@ class Runner:
             body["metadata"] = metadata
         group = await self._post("/v1/groups", body)
         pool = self._pool_index()
-        rewards = list(await asyncio.gather(*(self._run_session(task, s) for s in group["sessions"])))
+        outcomes = await asyncio.gather(*(self._run_session(task, s) for s in group["sessions"]),
+                                        return_exceptions=True)
+        rewards = [r if isinstance(r, float) else None for r in outcomes]
         # One request rewards and finishes every session that ran (a failed one was abandoned): the group is
         # trainable only once all of its sessions are done anyway. A request per session was ~12% of the
         # runner's CPU and as large a share of the gateway's requests (benchmarks/loop.py).
-        done = [{"session_id": s["session_id"], "reward": r} for s, r in zip(group["sessions"], rewards, strict=True)
-                if r is not None]
+        done = [(s["session_id"], r) for s, r in zip(group["sessions"], rewards, strict=True) if r is not None]
         if done:
-            await self._post(f"/v1/groups/{group['group_id']}/rewards", {"rewards": done, "finish": True}, pool)
-            self.stats.sessions_done += len(done)
-            self.stats.rewards.extend(d["reward"] for d in done)
+            await self._reward_group(group["group_id"], done, pool)
         self.stats.groups_done += 1
+        for r in outcomes:
+            if isinstance(r, BaseException):  # e.g. an abandon the gateway could not take: the rest is stored
+                raise r
         return rewards
+
+    async def _reward_group(self, group_id: str, done: list[tuple[str, float]], pool: int) -> None:
+        body = {"rewards": [{"session_id": sid, "reward": r} for sid, r in done], "finish": True}
+        try:
+            await self._post(f"/v1/groups/{group_id}/rewards", body, pool)
+        except Refused as e:
+            if e.status != 409:
+                raise
+            # One session refused (abandoned meanwhile, e.g. by the idle sweeper while a sibling ran long) and
+            # the request stored nothing: each session on its own, so only that one is lost.
+            log.warning("group %s: %s; rewarding its sessions one by one", group_id, e)
+            kept: list[tuple[str, float]] = []
+            for sid, r in done:
+                try:
+                    await self._post(f"/v1/sessions/{sid}/reward", {"reward": r, "finish": True}, pool)
+                    kept.append((sid, r))
+                except Refused as one:
+                    log.warning("session %s: %s", sid, one)
+            done = kept
+        self.stats.sessions_done += len(done)
+        self.stats.rewards.extend(r for _, r in done)
 
     async def _run_session(self, task: dict[str, Any], cred: dict[str, Any]) -> float | None:
         import openai
@@ -224,12 +263,12 @@ class Runner:
                                                 http_client=self._agent_pools[pool])
                     if self._platform is not None and getattr(client, "_platform", 0) is None:
                         client._platform = self._platform
-                    reward = float(await self.agent(task, client))
+                    reward = _finite(await self.agent(task, client))
                 else:
                     sync_client = openai.OpenAI(base_url=cred["base_url"], api_key=cred["api_key"],
                                                 timeout=self.client_timeout, max_retries=2)
                     try:
-                        reward = float(await asyncio.to_thread(self.agent, task, sync_client))
+                        reward = _finite(await asyncio.to_thread(self.agent, task, sync_client))
                     finally:
                         sync_client.close()
             except Exception as e:  # an agent's bug must not stop the run: abandon, log, go on

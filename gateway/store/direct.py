@@ -130,21 +130,22 @@ async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: b
     return str(state), group_end
 
 
-_GROUP_REWARD_READ = (f"SELECT s.id, s.state, s.reward, g.state, g.n_samples FROM {S.name} s "
-                      f"JOIN {G.name} g ON g.id = s.group_id WHERE s.group_id = {{}}")
+_GROUP_SESSIONS_READ = f"SELECT id, state, reward FROM {S.name} WHERE group_id = {{}} ORDER BY id"
+_GROUP_READ = f"SELECT state, n_samples FROM {G.name} WHERE id = {{}}"
 
 
 async def reward_group(fetch: Fetch, group_id: str, rewards: Sequence[tuple[str, float]],
                        finish: bool) -> tuple[str, list[str], str | None]:
     """`reward_session` for several sessions of one group, in the caller's transaction: the same checks and writes
     for each, in order, and the group's completion checked once, at the end, from the rows already read (every
-    session of the group, read with the group's state in one statement). An error leaves the transaction to the
+    session of the group, then the group). An error leaves the transaction to the
     caller's rollback, so nothing of the call is kept. Returns the group's state after the call, each session's
     state in the order given, and the group's new state if this call moved it ("complete", "dropped")."""
-    rows = await fetch(_GROUP_REWARD_READ, group_id)
-    if not rows:
+    rows = await fetch(_GROUP_SESSIONS_READ, group_id)
+    group = await fetch(_GROUP_READ, group_id)
+    if not group:
         raise NotFound(f"no group {group_id}")
-    group_state, n_samples = rows[0][3], rows[0][4]
+    group_state, n_samples = group[0]
     sessions = {r[0]: [r[1], r[2]] for r in rows}
     states: list[str] = []
     now = time.time()
@@ -400,12 +401,13 @@ class PgStatements:
 
     async def reward_group(self, group_id: str, rewards: Sequence[tuple[str, float]],
                            finish: bool) -> tuple[str, list[str], str | None]:
-        """`reward_group` in one transaction; its read locks every session of the group and the group (FOR
-        UPDATE), as `reward_session`'s read locks the one session and the group."""
+        """`reward_group` in one transaction. Its reads lock the group's sessions, in id order, and then the group
+        (FOR UPDATE): sessions before their group, as every other path takes them (a session's reward, its end,
+        the idle sweeper), so no two of them can wait on each other in a cycle."""
         async with self.pool.acquire() as conn, conn.transaction():
 
             async def fetch(sql: str, *params: Any) -> list[Any]:
-                if sql is _GROUP_REWARD_READ:
+                if sql is _GROUP_SESSIONS_READ or sql is _GROUP_READ:
                     sql += " FOR UPDATE"
                 return list(await conn.fetch(sql.format(*(f"${i + 1}" for i in range(len(params)))), *params))
 

@@ -227,9 +227,11 @@ class Store(ViewerStore):
 
     async def set_group_rewards(self, group_id: str, rewards: list[tuple[str, float]], *,
                                 finish: bool = False) -> tuple[str, list[str]]:
-        """A reward for each of several sessions of one group (and with `finish`, their end), in one transaction:
-        all are stored or, on any error (a session of another group, an abandoned one, a final reward changed),
-        none. Returns the group's state after the call and each session's state, in the order given."""
+        """A reward for each of several sessions of one group (and with `finish`, their end). On the direct path
+        (every opened store, so every gateway) one transaction: all are stored or, on any error (a session of
+        another group, an abandoned one, a final reward changed), none. A store not opened stores them a
+        transaction per session, after checking that each is of the group. Returns the group's state after the
+        call and each session's state, in the order given."""
         if self.direct is not None:
             group_state, states, group_end = await self.direct.reward_group(group_id, rewards, finish)
         else:  # a store not opened (the Core path): one transaction per session, checked against the group first

@@ -82,7 +82,7 @@ BODY_ROUTES = sorted((method, path) for (method, path), op in OPERATIONS.items()
 def test_no_key_and_a_bad_body_is_401(gateway: LiveGateway, method: str, path: str) -> None:
     """Every route that takes a body checks who calls first; a route with the session id in its path
     answers an unknown id (404) before the body, as the key routes answer a missing key."""
-    url = gateway.url + path.format(session_id="sess_unknown", batch_id="batch_unknown")
+    url = gateway.url + path.format(session_id="sess_unknown", batch_id="batch_unknown", group_id="grp_unknown")
     r = httpx.request(method, url, content=b"{not json", timeout=30)
     if path.startswith("/sessions/{session_id}/"):
         assert error(r, 404)["type"] == "not_found_error"

@@ -52,3 +52,61 @@ def test_runner_rewards_and_finishes_every_session(gateway: LiveGateway, monkeyp
     assert len(finished) >= 20
     abandoned = gateway.admin.get("/v1/sessions", params={"state": "abandoned", "limit": 100}).json()["data"]
     assert len(abandoned) >= 4
+
+
+def test_a_group_keeps_the_rewards_of_its_sessions_that_ran(gateway: LiveGateway) -> None:
+    """One session of a group crashes, one returns NaN, one is abandoned by someone else (as the idle sweeper
+    does) after its agent returned: each of those is lost alone, the group's other sessions are rewarded."""
+    calls: dict[str, int] = {}
+    swept_cred: list[dict[str, Any]] = []
+
+    async def flaky(task: dict[str, Any], client: AsyncOpenAI) -> float:
+        n = calls[task["prompt"]] = calls.get(task["prompt"], 0) + 1
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": task["prompt"]}],
+                                             max_tokens=2)
+        if task.get("crash") and n == 1:
+            raise ValueError("agent bug")
+        if task.get("nan") and n == 1:
+            return float("nan")
+        return 1.0
+
+    async def main() -> tuple[list[list[float | None]], Runner]:
+        runner = Runner(gateway.url, ADMIN_KEY, flaky, concurrency=8)
+        real = runner._run_session
+
+        async def swept(task: dict[str, Any], cred: dict[str, Any]) -> float | None:
+            reward = await real(task, cred)
+            if task.get("swept") and cred is swept_cred[0]:
+                r = gateway.admin.post(f"/v1/sessions/{cred['session_id']}/abandon", json={"reason": "idle"})
+                assert r.status_code == 200, r.text
+            return reward
+
+        real_post = runner._post
+
+        async def post(path: str, body: dict[str, Any], pool: int = 0) -> dict[str, Any]:
+            out = await real_post(path, body, pool)
+            if path == "/v1/groups" and body["task"].get("swept"):
+                swept_cred.append(out["sessions"][0])
+            return out
+
+        runner._run_session = swept  # type: ignore[method-assign]
+        runner._post = post  # type: ignore[method-assign]
+        try:
+            tasks = [{"prompt": "a", "crash": True}, {"prompt": "b", "nan": True}, {"prompt": "c", "swept": True}]
+            return list(await asyncio.gather(*(runner.run_group(t, 3) for t in tasks))), runner
+        finally:
+            await runner.close()
+
+    results, runner = asyncio.run(main())
+    assert sorted(results[0], key=str) == sorted([None, 1.0, 1.0], key=str)
+    assert sorted(results[1], key=str) == sorted([None, 1.0, 1.0], key=str)
+    assert results[2] == [1.0, 1.0, 1.0]  # its agents all returned; the gateway kept two of the three
+    assert runner.stats.sessions_failed == 2 and runner.stats.sessions_done == 2 + 2 + 2
+    assert len(swept_cred) == 1
+    for cred in swept_cred:
+        s = gateway.admin.get(f"/v1/sessions/{cred['session_id']}").json()
+        assert s["state"] == "abandoned" and s["reward"] is None
+        group = gateway.admin.get(f"/v1/groups/{s['group_id']}").json()
+        assert group["state"] == "complete"
+        assert sorted((x["state"], x["reward"]) for x in group["sessions"]) == [
+            ("abandoned", None), ("finished", 1.0), ("finished", 1.0)]

@@ -272,13 +272,19 @@ async def test_group_rewards_give_what_the_core_path_gives(db_url: str) -> None:
             first = await store.set_group_rewards(gid, [(sids[0], 1.0)], finish=True)
             second = await store.set_group_rewards(gid, [(sids[1], 0.25), (sids[0], 1.0)], finish=True)
             group = await store.group(gid)
+            # a group left with one live session is dropped once it is rewarded and finished
+            gid2, creds2 = await store.create_group({"q": path + "-drop"}, 3, sampling={})
+            for sid, _ in creds2[1:]:
+                await store.end_session(sid, "abandoned", "test")
+            dropped = await store.set_group_rewards(gid2, [(creds2[0][0], 0.5)], finish=True)
             results.append((first, second, group["state"],
-                            [(s["state"], s["reward"]) for s in group["sessions"]], list(ended)))
+                            [(s["state"], s["reward"]) for s in group["sessions"]], list(ended), dropped,
+                            (await store.group(gid2))["state"]))
             ended.clear()
         store.direct = direct
         assert results[0] == results[1]
         assert results[0][:2] == (("open", ["finished"]), ("complete", ["finished", "finished"]))
-        assert results[0][4] == ["complete"]
+        assert results[0][4:] == (["complete", "dropped"], ("dropped", ["finished"]), "dropped")
     finally:
         store.direct = direct
         await store.close()
