@@ -19,7 +19,7 @@ import re
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import orjson
 import sqlalchemy.exc
@@ -81,6 +81,8 @@ def _auth_row(raw: Any) -> AuthRow | None:
     return None if raw is None else (raw[0], raw[1], raw[2], raw[3], orjson.loads(raw[4] or "null"))
 
 
+R = TypeVar("R")
+
 Fetch = Callable[..., Awaitable[list[Any]]]
 """(sql, *params) -> rows, inside the caller's transaction; `sql` uses `{}` where a parameter goes."""
 
@@ -117,17 +119,25 @@ async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: b
     group_end: str | None = None
     if group_state == "open":  # Store._refresh_group, statement for statement
         sessions = await fetch(f"SELECT state, reward FROM {S.name} WHERE group_id = {{}}", group_id)
-        live = [r for r in sessions if r[0] != "abandoned"]
-        if len(live) < min(2, n_samples):
-            if all(r[0] != "active" for r in sessions):
-                group_end = "dropped"
-                await fetch(f"UPDATE {G.name} SET state = {{}}, drop_reason = {{}}, completed_at = {{}} WHERE id = {{}}",
-                            group_end, "too_few_sessions", time.time(), group_id)
-        elif all(r[0] == "finished" and r[1] is not None for r in live):
-            group_end = "complete"
-            await fetch(f"UPDATE {G.name} SET state = {{}}, completed_at = {{}} WHERE id = {{}}",
-                        group_end, time.time(), group_id)
+        group_end = await _end_group(fetch, group_id, n_samples, sessions)
     return str(state), group_end
+
+
+async def _end_group(fetch: Fetch, group_id: str, n_samples: int, sessions: Sequence[Sequence[Any]]) -> str | None:
+    """`Store._refresh_group` for an open group whose sessions' (state, reward) are `sessions`: complete it when
+    every live session is finished and rewarded, drop it when too few are live and none is active. Returns the
+    state it moved to, or None."""
+    live = [r for r in sessions if r[0] != "abandoned"]
+    if len(live) < min(2, n_samples):
+        if all(r[0] != "active" for r in sessions):
+            await fetch(f"UPDATE {G.name} SET state = {{}}, drop_reason = {{}}, completed_at = {{}} WHERE id = {{}}",
+                        "dropped", "too_few_sessions", time.time(), group_id)
+            return "dropped"
+    elif all(r[0] == "finished" and r[1] is not None for r in live):
+        await fetch(f"UPDATE {G.name} SET state = {{}}, completed_at = {{}} WHERE id = {{}}",
+                    "complete", time.time(), group_id)
+        return "complete"
+    return None
 
 
 _GROUP_SESSIONS_READ = f"SELECT id, state, reward FROM {S.name} WHERE group_id = {{}} ORDER BY id"
@@ -171,19 +181,10 @@ async def reward_group(fetch: Fetch, group_id: str, rewards: Sequence[tuple[str,
                         *sets.values(), session_id)
         row[0], row[1] = state, reward
         states.append(str(state))
-    group_end: str | None = None
-    if group_state == "open":  # Store._refresh_group, on the rows as they now are
-        live = [r for r in sessions.values() if r[0] != "abandoned"]
-        if len(live) < min(2, n_samples):
-            if all(r[0] != "active" for r in sessions.values()):
-                group_state = group_end = "dropped"
-                await fetch(f"UPDATE {G.name} SET state = {{}}, drop_reason = {{}}, completed_at = {{}} WHERE id = {{}}",
-                            group_state, "too_few_sessions", time.time(), group_id)
-        elif all(r[0] == "finished" and r[1] is not None for r in live):
-            group_state = group_end = "complete"
-            await fetch(f"UPDATE {G.name} SET state = {{}}, completed_at = {{}} WHERE id = {{}}",
-                        group_state, time.time(), group_id)
-    return str(group_state), states, group_end
+    group_end = None
+    if group_state == "open":  # on the rows as they now are
+        group_end = await _end_group(fetch, group_id, n_samples, list(sessions.values()))
+    return str(group_end or group_state), states, group_end
 
 
 _ADMISSION = (
@@ -299,8 +300,8 @@ class SqliteStatements:
     async def admission(self) -> AdmissionRow:
         return _admission_row(self.db.execute(_ADMISSION).fetchone())
 
-    async def reward_session(self, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
-        """`reward_session` in one transaction, under the store's write lock (as every write to the file)."""
+    async def _transaction(self, work: Callable[[Fetch], Awaitable[R]]) -> R:
+        """`work`'s statements in one transaction, under the store's write lock (as every write to the file)."""
 
         async def fetch(sql: str, *params: Any) -> list[Any]:
             return self.db.execute(sql.format(*("?" for _ in params)), params).fetchall()
@@ -309,32 +310,20 @@ class SqliteStatements:
             db = self.db
             db.execute("BEGIN IMMEDIATE")
             try:
-                state = await reward_session(fetch, session_id, reward, finish)
-                db.execute("COMMIT")
-            except BaseException:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                raise
-        return state
-
-    async def reward_group(self, group_id: str, rewards: Sequence[tuple[str, float]],
-                           finish: bool) -> tuple[str, list[str], str | None]:
-        """`reward_group` in one transaction, under the store's write lock."""
-
-        async def fetch(sql: str, *params: Any) -> list[Any]:
-            return self.db.execute(sql.format(*("?" for _ in params)), params).fetchall()
-
-        async with self.write_lock:
-            db = self.db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                out = await reward_group(fetch, group_id, rewards, finish)
+                out = await work(fetch)
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
         return out
+
+    async def reward_session(self, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
+        return await self._transaction(lambda fetch: reward_session(fetch, session_id, reward, finish))
+
+    async def reward_group(self, group_id: str, rewards: Sequence[tuple[str, float]],
+                           finish: bool) -> tuple[str, list[str], str | None]:
+        return await self._transaction(lambda fetch: reward_group(fetch, group_id, rewards, finish))
 
     async def close(self) -> None:
         """The connection belongs to the engine (`InLoopEngine.dispose` closes it)."""
@@ -387,31 +376,30 @@ class PgStatements:
     async def admission(self) -> AdmissionRow:
         return _admission_row(await self.pool.fetchrow(_ADMISSION))
 
-    async def reward_session(self, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
-        """`reward_session` in one transaction. The first read locks the session's row and its group's (FOR
-        UPDATE), so two sessions of a group finishing at once complete it in turn: each sees the other's end."""
+    async def _transaction(self, work: Callable[[Fetch], Awaitable[R]], locked: tuple[str, ...]) -> R:
+        """`work`'s statements in one transaction; the reads in `locked` take their rows' locks (FOR UPDATE)."""
         async with self.pool.acquire() as conn, conn.transaction():
 
             async def fetch(sql: str, *params: Any) -> list[Any]:
-                if sql is _REWARD_READ:
+                if any(sql is read for read in locked):
                     sql += " FOR UPDATE"
                 return list(await conn.fetch(sql.format(*(f"${i + 1}" for i in range(len(params)))), *params))
 
-            return await reward_session(fetch, session_id, reward, finish)
+            return await work(fetch)
+
+    async def reward_session(self, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
+        """The first read locks the session's row and its group's, so two sessions of a group finishing at once
+        complete it in turn: each sees the other's end."""
+        return await self._transaction(lambda fetch: reward_session(fetch, session_id, reward, finish),
+                                       (_REWARD_READ,))
 
     async def reward_group(self, group_id: str, rewards: Sequence[tuple[str, float]],
                            finish: bool) -> tuple[str, list[str], str | None]:
-        """`reward_group` in one transaction. Its reads lock the group's sessions, in id order, and then the group
-        (FOR UPDATE): sessions before their group, as every other path takes them (a session's reward, its end,
-        the idle sweeper), so no two of them can wait on each other in a cycle."""
-        async with self.pool.acquire() as conn, conn.transaction():
-
-            async def fetch(sql: str, *params: Any) -> list[Any]:
-                if sql is _GROUP_SESSIONS_READ or sql is _GROUP_READ:
-                    sql += " FOR UPDATE"
-                return list(await conn.fetch(sql.format(*(f"${i + 1}" for i in range(len(params)))), *params))
-
-            return await reward_group(fetch, group_id, rewards, finish)
+        """The reads lock the group's sessions, in id order, and then the group: sessions before their group, as
+        every other path takes them (a session's reward, its end, the idle sweeper), so no two of them can wait
+        on each other in a cycle."""
+        return await self._transaction(lambda fetch: reward_group(fetch, group_id, rewards, finish),
+                                       (_GROUP_SESSIONS_READ, _GROUP_READ))
 
     async def close(self) -> None:
         try:
