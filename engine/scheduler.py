@@ -10,6 +10,7 @@ Results go back to the asyncio side as `Delta`s through `loop.call_soon_threadsa
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import queue
@@ -23,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.batch import DecodeBatch, prefill
 from engine.grammar import GrammarRows, accept, new_matcher
@@ -88,6 +90,50 @@ def load_model(path: str | Path) -> PreTrainedModel:
     return model.eval()
 
 
+_CONFIG_NOISE = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"})
+"""config.json keys that say where or how a checkpoint was written, not what model it is."""
+
+
+def _identity(config: Any) -> dict[str, Any]:
+    return {k: v for k, v in config.to_dict().items() if k not in _CONFIG_NOISE}
+
+
+def load_like(model: PreTrainedModel, path: str | Path, into: PreTrainedModel | None = None) -> PreTrainedModel:
+    """The checkpoint at `path` as a model other than `model`: when it is the same model as `model` (same config,
+    tensor names and shapes), `model`'s structure with the checkpoint's tensors copied in, else loaded whole
+    (`load_model`). The tensors go into `into` when given (a model no step uses any more, of `model`'s config: the
+    one the last weight swap retired), else into a copy of `model`.
+
+    A trainer's publish is the first case: new values for the served model's tensors. Copying them into a retired
+    model takes a couple of milliseconds, a copy of the model ten, and `from_pretrained` twenty or more (it builds
+    the model from its config and resolves every loader option again); a weight update holds generation while the
+    load runs. The served model's tied tensors stay tied; a tensor the file lacks is allowed only when it is tied
+    to one the file has (an untied lm_head must be in the file)."""
+    folder = Path(path)
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        return load_model(path)
+    served = _identity(model.config)
+    if served != _identity(AutoConfig.from_pretrained(str(folder))):
+        return load_model(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(str(shard)))
+    if into is not None and (into is model or _identity(into.config) != served):
+        into = None
+    new = into if into is not None else copy.deepcopy(model)
+    own = new.state_dict()
+    if set(tensors) - set(own) or any(tensors[k].shape != own[k].shape for k in tensors):
+        return load_model(path)
+    filled = {own[k].data_ptr() for k in tensors}
+    if any(own[k].data_ptr() not in filled for k in set(own) - set(tensors)):
+        return load_model(path)  # a tensor the file lacks and no tie fills: the whole load decides what it gets
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            own[name].copy_(tensor)
+    return new.eval()
+
+
 @dataclass
 class Stats:
     """Counters since start, read by `GET /metrics` (benchmarks/loop.py takes differences over its window)."""
@@ -119,6 +165,9 @@ class Scheduler:
         context_length: int,
     ) -> None:
         self.model = model
+        self._retired: PreTrainedModel | None = None
+        """The model the last swap replaced: no step uses it any more, so the next weight update may fill it."""
+        self._retired_lock = threading.Lock()
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_batch_size = max_batch_size
@@ -194,7 +243,8 @@ class Scheduler:
         def swap() -> int:
             paused = len(self._rows)
             self.stats.swaps += 1
-            self.model = model
+            with self._retired_lock:
+                self._retired, self.model = self.model, model
             if version is not None:
                 self.weight_version = version
             # The cache was computed with the old weights: running rows are prefilled again.
@@ -214,6 +264,13 @@ class Scheduler:
 
         self._calls.put((register, Future()))
         return future
+
+    def take_retired(self) -> PreTrainedModel | None:
+        """The model the last swap retired, once (a second caller gets None): a buffer to load the next weights into
+        (`load_like`'s `into`), from any thread."""
+        with self._retired_lock:
+            model, self._retired = self._retired, None
+        return model
 
     def stats_now(self) -> dict[str, float]:
         """The counters, a pause in progress counted up to now (read from any thread: a torn read of two

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -34,7 +35,7 @@ from engine.lora import (
 )
 from engine.protocol import GenerateCall, GenerateSpec, Result, parse_generate
 from engine.sampling import InvalidRequest, UnknownSamplingKey
-from engine.scheduler import GenRequest, Scheduler, load_model
+from engine.scheduler import GenRequest, Scheduler, load_like, load_model
 from engine.weight_sync import add_routes as add_weight_sync_routes
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,10 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
         try:
             if not path:
                 raise ValueError("model_path is required")
-            model = await asyncio.to_thread(load_model, path)
+            # With adapters loaded the served model is wrapped (engine/lora.py): loaded whole, then wrapped again.
+            load = functools.partial(load_model, path) if engine.lora is not None \
+                else functools.partial(load_like, scheduler.model, path, scheduler.take_retired())
+            model = await asyncio.to_thread(load)
             if engine.lora is not None:  # the new weights serve the loaded adapters too
                 engine.lora.wrap(model)
         except Exception as exc:  # any unloadable checkpoint: refuse it and keep serving the old weights

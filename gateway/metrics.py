@@ -39,9 +39,11 @@ class Metrics:
 
     def turn_stored(
         self, *, continuity: str, prompt_tokens: int, completion_tokens: int, disconnected: bool,
-        chain_reason: str | None,
+        chain_reason: str | None, resubmits: int = 0,
     ) -> None:
         self.turns.labels(continuity).inc()
+        if resubmits:
+            self.resubmits.inc(resubmits)
         if chain_reason and continuity != "extends":
             self.chain_breaks.labels(chain_reason).inc()
         self.tokens.labels("prompt").inc(prompt_tokens)

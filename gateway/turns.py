@@ -490,7 +490,7 @@ class TurnService:
             )
         self.metrics.turn_stored(
             continuity="extends" if p.parent_id else "new-chain", prompt_tokens=len(p.prompt_ids), completion_tokens=len(gen.ids),
-            disconnected=client_disconnected, chain_reason=p.chain_reason,
+            disconnected=client_disconnected, chain_reason=p.chain_reason, resubmits=gen.resubmits,
         )
         return FinishedTurn(p.turn_id, text, parsed, finish)
 

@@ -41,6 +41,8 @@ class Leases:
         self.store = store
         self.engine = store.engine
         self.gamma = gamma
+        self._remembered: tuple[tuple[int | None, int | None], float] | None = None
+        """The trainer's admission parameters this process last wrote, and when (time.monotonic)."""
 
     # --- weight versions -------------------------------------------------------------------------
 
@@ -81,9 +83,15 @@ class Leases:
     # --- leases ----------------------------------------------------------------------------------
 
     async def expire(self) -> int:
+        """Return the groups of every lapsed lease to the queue. A read first: the write transaction (on SQLite,
+        the store's one write lock, which every turn's write also takes) only when some lease did lapse."""
         now = time.time()
+        lapsed = select(B.c.id).where(and_(B.c.state == "leased", B.c.expires_at < now))
+        async with self.engine.connect() as conn:
+            if (await conn.execute(lapsed.limit(1))).first() is None:
+                return 0
         async with self.store.begin() as conn:
-            ids = (await conn.execute(select(B.c.id).where(and_(B.c.state == "leased", B.c.expires_at < now)))).scalars().all()
+            ids = (await conn.execute(lapsed)).scalars().all()
             if not ids:
                 return 0
             await conn.execute(update(B).where(B.c.id.in_(ids)).values(state="expired"))
@@ -96,17 +104,17 @@ class Leases:
         """(batch_id, expires_at, groups with samples, groups dropped as stale)."""
         await self.expire()
         await self._remember_params(req)
+        queued = (select(G.c.id).where(and_(G.c.state == "complete", G.c.is_eval.is_(False)))
+                  .order_by(G.c.completed_at).limit(req.max_groups))
+        async with self.engine.connect() as conn:  # nothing queued (a long poll's usual answer): no write lock taken
+            if (await conn.execute(queued.limit(1))).first() is None:
+                return None, 0.0, [], 0
         version = req.trainer_version if req.trainer_version is not None else (await self.current_weights())[0]
         batch_id = new_id("batch_")
         now = time.time()
         expires = now + req.lease_seconds
         async with self.store.begin() as conn:
-            cands = (
-                await conn.execute(
-                    select(G.c.id).where(and_(G.c.state == "complete", G.c.is_eval.is_(False)))
-                    .order_by(G.c.completed_at).limit(req.max_groups)
-                )
-            ).scalars().all()
+            cands = (await conn.execute(queued)).scalars().all()
             if not cands:
                 return None, 0.0, [], 0
             # Conditional update: a concurrent leaser (another gateway) can't take the same group.
@@ -220,8 +228,19 @@ class Leases:
 
     # --- staleness admission ---------------------------------------------------------------------
 
+    REMEMBER_EVERY_S = 5.0
+    """The same parameters are written again at most this often: each lease call of a trainer carries them, and
+    a write on every one took the store's write lock several times a step. Rewritten now and then all the same, in
+    case another gateway sharing the store wrote a different trainer's parameters meanwhile."""
+
     async def _remember_params(self, req: LeaseRequest) -> None:
+        key_now = (req.groups_per_step, req.max_head_offpolicyness)
+        now = time.monotonic()
+        if self._remembered is not None and self._remembered[0] == key_now \
+                and now - self._remembered[1] < self.REMEMBER_EVERY_S:
+            return
         values = {"groups_per_step": req.groups_per_step, "max_head_offpolicyness": req.max_head_offpolicyness}
+        self._remembered = None  # a write that fails is tried again on the next lease
         async with self.store.begin() as conn:
             for key, value in values.items():
                 if value is None:
@@ -229,6 +248,7 @@ class Leases:
                 done = await conn.execute(update(KV).where(KV.c.key == key).values(value=value))
                 if not done.rowcount:
                     await conn.execute(KV.insert().values(key=key, value=value))
+        self._remembered = (key_now, now)
 
     async def admission(self, default_b: int, default_eta: int) -> tuple[bool, int, int]:
         """(allowed, counted groups, limit). Limit -1 = no admission control. On the store's direct path (every

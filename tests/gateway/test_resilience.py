@@ -49,6 +49,7 @@ def test_publish_mid_reply_keeps_partial_tokens(gw: LiveGateway, slow_fake: Fake
             result["finish"] = client.chat.completions.create(model="m", messages=msgs, max_tokens=40).choices[0].finish_reason
 
     before = len(slow_fake.requests)
+    resubmitted = _resubmits(gw)
     t = threading.Thread(target=agent)
     t.start()
     deadline = time.monotonic() + 10
@@ -68,6 +69,12 @@ def test_publish_mid_reply_keeps_partial_tokens(gw: LiveGateway, slow_fake: Fake
     resubmit = [p for p in slow_fake.requests if p["input_ids"][: len(turn["prompt_ids"])] == turn["prompt_ids"]][-1]
     assert resubmit["input_ids"] == turn["prompt_ids"] + turn["completion_ids"][:k]
     assert resubmit["sampling_params"]["max_new_tokens"] == 40 - k
+    assert _resubmits(gw) == resubmitted + 1  # counted where operators look (and the loop benchmark reads)
+
+
+def _resubmits(gw: LiveGateway) -> float:
+    lines = [ln for ln in gw.admin.get("/metrics").text.splitlines() if ln.startswith("rollway_resubmits_total ")]
+    return float(lines[0].split()[1]) if lines else 0.0
 
 
 def test_client_disconnect_mid_stream_is_recorded(gw: LiveGateway, slow_fake: FakeSGLang) -> None:
