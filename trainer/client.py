@@ -183,6 +183,7 @@ class GatewayClient:
         self,
         *,
         max_groups: int,
+        min_groups: int = 1,
         lease_seconds: float,
         wait_seconds: float,
         groups_per_step: int,
@@ -193,6 +194,7 @@ class GatewayClient:
         """`POST /v1/batches`; None on 204. A Lease with no groups (only `dropped_stale`) holds nothing."""
         body = {
             "max_groups": max_groups,
+            **({"min_groups": min_groups} if min_groups > 1 else {}),
             "lease_seconds": lease_seconds,
             "wait_seconds": wait_seconds,
             "groups_per_step": groups_per_step,

@@ -72,6 +72,7 @@ def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, vers
     while len(out.groups) < cfg.groups_per_step:
         lease = client.lease(
             max_groups=cfg.groups_per_step - len(out.groups),
+            min_groups=cfg.groups_per_step - len(out.groups),  # the rest of the step in one lease, once complete
             lease_seconds=cfg.lease_seconds,
             wait_seconds=cfg.wait_seconds,
             groups_per_step=cfg.groups_per_step,

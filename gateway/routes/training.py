@@ -6,7 +6,7 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from gateway.auth import admin
 from gateway.protocol import INT32_MAX, Strict
@@ -20,6 +20,10 @@ router.include_router(sync_router)  # publishing over process groups: /v1/weight
 
 class LeaseBody(Strict):
     max_groups: int = Field(default=8, ge=1, le=4096)
+    min_groups: int = Field(default=1, ge=1, le=4096)
+    """Wait (up to wait_seconds) until this many groups are complete before leasing any; after the wait, whatever
+    is complete. A trainer that needs k more groups for its step asks for k at once: one lease (one batch, one
+    ack of its filtered groups) where each group completing on its own would have made one each."""
     lease_seconds: float = Field(default=600.0, gt=0, le=86400)
     wait_seconds: float = Field(default=0.0, ge=0, le=600)
     groups_per_step: int | None = Field(default=None, ge=1, le=1_000_000)
@@ -27,6 +31,12 @@ class LeaseBody(Strict):
     trainer_version: int | None = Field(default=None, ge=0, le=INT32_MAX)
     train_constrained_turns: bool = False
     """Give the completions of constrained turns (decoded under a grammar) loss mask 1 too (gateway/samples.py)."""
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> LeaseBody:
+        if self.min_groups > self.max_groups:
+            raise ValueError(f"min_groups ({self.min_groups}) must not exceed max_groups ({self.max_groups})")
+        return self
 
 
 class RenewBody(Strict):
@@ -67,11 +77,16 @@ async def lease(request: Request) -> Response:
     deadline = time.monotonic() + body.wait_seconds
     stale_total = 0
     while True:
-        batch_id, expires, groups, stale = await leases.lease(req)
-        stale_total += stale
-        if stale:
-            request.app.state.metrics.stale_dropped.inc(stale)
-        if groups or time.monotonic() >= deadline or await request.is_disconnected():
+        waited_out = time.monotonic() >= deadline
+        if body.min_groups <= 1 or waited_out or await leases.queued(body.min_groups) >= body.min_groups:
+            batch_id, expires, groups, stale = await leases.lease(req)
+            stale_total += stale
+            if stale:
+                request.app.state.metrics.stale_dropped.inc(stale)
+            if groups or waited_out:
+                break
+        if await request.is_disconnected():
+            batch_id, expires, groups = None, 0.0, []
             break
         await request.app.state.completions.wait(deadline - time.monotonic())
     return json_response({"batch_id": batch_id, "expires_at": expires, "groups": groups, "dropped_stale": stale_total})

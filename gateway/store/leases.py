@@ -100,6 +100,12 @@ class Leases:
             )
             return int(res.rowcount or 0)
 
+    async def queued(self, limit: int) -> int:
+        """How many groups are complete and not leased, counted up to `limit` (a long poll's check, no lease)."""
+        first = (select(G.c.id).where(and_(G.c.state == "complete", G.c.is_eval.is_(False))).limit(limit)).subquery()
+        async with self.engine.connect() as conn:
+            return int((await conn.execute(select(func.count()).select_from(first))).scalar_one())
+
     async def lease(self, req: LeaseRequest) -> tuple[str | None, float, list[dict[str, Any]], int]:
         """(batch_id, expires_at, groups with samples, groups dropped as stale)."""
         await self.expire()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -158,6 +159,41 @@ def test_long_poll_waits_for_a_complete_group(gateway: LiveGateway) -> None:
     t0 = time.monotonic()
     assert lease(gateway, wait_seconds=0.6)["groups"] == []
     assert time.monotonic() - t0 >= 0.5
+
+
+def test_min_groups_waits_for_that_many_then_leases_them_together(gateway: LiveGateway) -> None:
+    drain(gateway)
+    first, second = gateway.group(1), gateway.group(1)
+    play(gateway, first["sessions"][0], 1.0)
+    got: dict[str, Any] = {}
+
+    def trainer() -> None:
+        got["lease"] = lease(gateway, max_groups=2, min_groups=2, wait_seconds=20)
+        got["at"] = time.monotonic()
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    time.sleep(0.8)
+    assert t.is_alive()  # one group complete is not enough: still waiting
+    done_at = time.monotonic()
+    play(gateway, second["sessions"][0], 0.0)
+    t.join(20)
+    assert sorted(g["group_id"] for g in got["lease"]["groups"]) == sorted([first["group_id"], second["group_id"]])
+    assert got["at"] - done_at < 10  # woken by the completion, not by the end of the wait
+    gateway.admin.post(f"/v1/batches/{got['lease']['batch_id']}/ack", json={})
+
+
+def test_min_groups_takes_what_there_is_when_the_wait_ends(gateway: LiveGateway) -> None:
+    drain(gateway)
+    g = gateway.group(1)
+    play(gateway, g["sessions"][0], 1.0)
+    t0 = time.monotonic()
+    got = lease(gateway, max_groups=4, min_groups=4, wait_seconds=0.6)
+    assert time.monotonic() - t0 >= 0.5
+    assert [x["group_id"] for x in got["groups"]] == [g["group_id"]]
+    gateway.admin.post(f"/v1/batches/{got['batch_id']}/ack", json={})
+    r = gateway.admin.post("/v1/batches", json={"max_groups": 2, "min_groups": 3})
+    assert r.status_code == 400 and "min_groups" in r.json()["error"]["message"]
 
 
 def test_publish_loads_backends_bumps_version_and_acks(gateway: LiveGateway, fake: Any, tmp_path: Any) -> None:
