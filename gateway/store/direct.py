@@ -77,6 +77,33 @@ class UnknownColumns(sqlalchemy.exc.CompileError):
     insert raises on the Core path ("Unconsumed column names"), so one `except` catches both."""
 
 
+GROUP_COLUMNS = tuple(c for c in G.columns)
+SESSION_COLUMNS = tuple(c for c in S.columns)
+
+
+def row_params(values: dict[str, Any], columns: Sequence[Column[Any]]) -> list[Any]:
+    """A group's or a session's values in the order of `columns`, bound as SQLAlchemy binds them (JSON as text,
+    None in a JSON column as JSON null; absent columns as their scalar default, else NULL)."""
+    out: list[Any] = []
+    for col in columns:
+        if col.name in values:
+            v = values[col.name]
+            if isinstance(col.type, JSON):
+                v = json_text(v)
+        else:
+            default = col.default
+            v = default.arg if default is not None and default.is_scalar else None  # type: ignore[attr-defined]
+        out.append(v)
+    unknown = set(values) - {c.name for c in columns}
+    if unknown:
+        raise UnknownColumns(f"values for no column of {columns[0].table.name}: {', '.join(sorted(unknown))}")
+    return out
+
+
+def _insert(table: Table, columns: Sequence[Column[Any]], marks: Sequence[str]) -> str:
+    return f"INSERT INTO {table.name} ({', '.join(c.name for c in columns)}) VALUES ({', '.join(marks)})"
+
+
 def _auth_row(raw: Any) -> AuthRow | None:
     return None if raw is None else (raw[0], raw[1], raw[2], raw[3], orjson.loads(raw[4] or "null"))
 
@@ -300,6 +327,18 @@ class SqliteStatements:
     async def admission(self) -> AdmissionRow:
         return _admission_row(self.db.execute(_ADMISSION).fetchone())
 
+    _GROUP_INSERT = _insert(G, GROUP_COLUMNS, ["?"] * len(GROUP_COLUMNS))
+    _SESSION_INSERT = _insert(S, SESSION_COLUMNS, ["?"] * len(SESSION_COLUMNS))
+
+    async def create_group(self, group: list[Any], sessions: list[list[Any]]) -> None:
+        """A group's row and its sessions' rows (`row_params` of each) in one transaction."""
+
+        async def work(fetch: Fetch) -> None:
+            self.db.execute(self._GROUP_INSERT, group)
+            self.db.executemany(self._SESSION_INSERT, sessions)
+
+        await self._transaction(work)
+
     async def _transaction(self, work: Callable[[Fetch], Awaitable[R]]) -> R:
         """`work`'s statements in one transaction, under the store's write lock (as every write to the file)."""
 
@@ -375,6 +414,16 @@ class PgStatements:
 
     async def admission(self) -> AdmissionRow:
         return _admission_row(await self.pool.fetchrow(_ADMISSION))
+
+    _GROUP_INSERT = _insert(G, GROUP_COLUMNS, [f"CAST(${i + 1} AS {_pg_type(c)})" for i, c in enumerate(GROUP_COLUMNS)])
+    _SESSION_INSERT = _insert(S, SESSION_COLUMNS,
+                              [f"CAST(${i + 1} AS {_pg_type(c)})" for i, c in enumerate(SESSION_COLUMNS)])
+
+    async def create_group(self, group: list[Any], sessions: list[list[Any]]) -> None:
+        """A group's row and its sessions' rows (`row_params` of each) in one transaction."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(self._GROUP_INSERT, *group)
+            await conn.executemany(self._SESSION_INSERT, sessions)
 
     async def _transaction(self, work: Callable[[Fetch], Awaitable[R]], locked: tuple[str, ...]) -> R:
         """`work`'s statements in one transaction; the reads in `locked` take their rows' locks (FOR UPDATE)."""

@@ -25,7 +25,14 @@ from sqlalchemy import Table, and_, func, select, update
 
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.store.db import DbConnection, DbEngine, InLoopEngine
-from gateway.store.direct import Direct, PgStatements, SqliteStatements
+from gateway.store.direct import (
+    GROUP_COLUMNS,
+    SESSION_COLUMNS,
+    Direct,
+    PgStatements,
+    SqliteStatements,
+    row_params,
+)
 from gateway.store.models import Group, Session, Turn
 from gateway.store.reports import ViewerStore
 
@@ -140,6 +147,14 @@ class Store(ViewerStore):
         now = time.time()
         gid = new_id("grp_")
         creds = [(new_id("sess_"), "rw-" + secrets.token_urlsafe(32)) for _ in range(n_samples)]
+        if self.direct is not None:
+            group = row_params(dict(id=gid, task=task, n_samples=n_samples, state="open", is_eval=is_eval,
+                                    sampling=sampling, metadata=metadata, created_at=now), GROUP_COLUMNS)
+            sessions = [row_params(dict(id=sid, group_id=gid, replica=i, key_hash=hash_key(key), state="active",
+                                        turn_count=0, created_at=now, last_active_at=now), SESSION_COLUMNS)
+                        for i, (sid, key) in enumerate(creds)]
+            await self.direct.create_group(group, sessions)
+            return gid, creds
         async with self.begin() as conn:
             await conn.execute(
                 G.insert().values(

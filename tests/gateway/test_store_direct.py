@@ -288,3 +288,51 @@ async def test_group_rewards_give_what_the_core_path_gives(db_url: str) -> None:
     finally:
         store.direct = direct
         await store.close()
+
+
+async def test_a_group_is_created_on_the_direct_path_as_sqlalchemy_creates_it(db_url: str) -> None:
+    """Every column of the group's row and its sessions' rows, as stored (raw) and as read back, is what the Core
+    path writes: JSON (a string task, a null metadata), booleans, defaults."""
+    from sqlalchemy import select, text
+
+    from gateway.store.direct import G, S
+
+    store = Store(create_engine(db_url))
+    await store.open()
+    try:
+        assert store.direct is not None
+        made = {}
+        for path in ("direct", "core"):
+            direct = store.direct
+            if path == "core":
+                store.direct = None
+            try:
+                for task, metadata, is_eval in (({"q": "é", "n": [1, 2.5]}, None, False), ("plain", {"k": 1}, True)):
+                    gid, creds = await store.create_group(task, 3, sampling={"temperature": 0.5, "top_p": None},
+                                                          metadata=metadata, is_eval=is_eval)
+                    made.setdefault(path, []).append((gid, creds))
+            finally:
+                store.direct = direct
+
+        async def rows(gid: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            async with store.engine.connect() as conn:
+                g = (await conn.execute(select(G).where(G.c.id == gid))).mappings().one()
+                ss = (await conn.execute(select(S).where(S.c.group_id == gid).order_by(S.c.replica))).mappings().all()
+                # SQL NULL and JSON null both read back as None: which one is stored, asked of the database
+                nulls = (await conn.execute(text(
+                    "SELECT metadata IS NULL, task IS NULL, drop_reason IS NULL FROM groups WHERE id = :id"),
+                    {"id": gid})).one()
+            skip = {"id", "group_id", "key_hash", "created_at", "last_active_at"}
+            return ({**{k: v for k, v in g.items() if k not in ("id", "created_at")}, "nulls": tuple(nulls)},
+                    [{k: v for k, v in s.items() if k not in skip} for s in ss])
+
+        for (d_gid, d_creds), (c_gid, _) in zip(made["direct"], made["core"], strict=True):
+            assert await rows(d_gid) == await rows(c_gid)
+            d_group, c_group = await store.group(d_gid), await store.group(c_gid)
+            for key in ("task", "n_samples", "state", "is_eval", "sampling", "metadata"):
+                assert d_group[key] == c_group[key], key
+            for sid, key in d_creds:  # each session opens with its key, on its own replica
+                auth = await store.session_auth(key=key)
+                assert auth is not None and auth.id == sid and auth.group_id == d_gid and auth.state == "active"
+    finally:
+        await store.close()
