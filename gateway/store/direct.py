@@ -1,5 +1,6 @@
-"""The two statements of every chat call — the session lookup by key and the turn insert — sent straight to the
-database driver, past SQLAlchemy (same SQL semantics, same stored values as the Core path in `store.py`).
+"""The store's per-call statements sent straight to the database driver, past SQLAlchemy (same SQL semantics, same
+stored values as the Core path in `store.py`): the two of every chat call (the session lookup by key and the turn
+insert), and the writes of every group (its creation, its sessions' rewards) and the admission read.
 
 SQLAlchemy's statement, result and transaction handling was ~0.5 ms of the gateway's CPU per call on SQLite
 and ~1.5 ms on PostgreSQL (py-spy on `benchmarks/gateway.py`), more than all the rest of recording a turn.
