@@ -101,7 +101,9 @@ class Leases:
             return int(res.rowcount or 0)
 
     async def queued(self, limit: int) -> int:
-        """How many groups are complete and not leased, counted up to `limit` (a long poll's check, no lease)."""
+        """How many groups are complete and not leased, counted up to `limit` (a long poll's check, no lease). The
+        groups of lapsed leases count: they are put back in the queue first, as a lease would."""
+        await self.expire()
         first = (select(G.c.id).where(and_(G.c.state == "complete", G.c.is_eval.is_(False))).limit(limit)).subquery()
         async with self.engine.connect() as conn:
             return int((await conn.execute(select(func.count()).select_from(first))).scalar_one())

@@ -183,6 +183,21 @@ def test_min_groups_waits_for_that_many_then_leases_them_together(gateway: LiveG
     gateway.admin.post(f"/v1/batches/{got['lease']['batch_id']}/ack", json={})
 
 
+def test_min_groups_counts_the_groups_of_a_lapsed_lease(gateway: LiveGateway) -> None:
+    drain(gateway)
+    first, second = gateway.group(1), gateway.group(1)
+    play(gateway, first["sessions"][0], 1.0)
+    held = lease(gateway, lease_seconds=0.3)  # a trainer that dies holding `first`
+    assert [g["group_id"] for g in held["groups"]] == [first["group_id"]]
+    play(gateway, second["sessions"][0], 0.0)
+    t0 = time.monotonic()
+    got = lease(gateway, max_groups=2, min_groups=2, wait_seconds=8)
+    # `first` is back in the queue once its lease lapses (0.3 s), not only when the 8 s wait ends
+    assert time.monotonic() - t0 < 4
+    assert sorted(g["group_id"] for g in got["groups"]) == sorted([first["group_id"], second["group_id"]])
+    gateway.admin.post(f"/v1/batches/{got['batch_id']}/ack", json={})
+
+
 def test_min_groups_takes_what_there_is_when_the_wait_ends(gateway: LiveGateway) -> None:
     drain(gateway)
     g = gateway.group(1)
