@@ -183,6 +183,7 @@ def create_app(
     app.state.engine = engine
     if lora is not None and lora.enable_lora:
         setup(engine, lora)
+    engine.scheduler.keep_retired = engine.lora is None  # with adapters, weight updates load whole (no buffer)
     add_lora_routes(app, engine)
     _add_error_handlers(app)
     _add_routes(app, engine)
@@ -281,7 +282,7 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
                 raise ValueError("model_path is required")
             # With adapters loaded the served model is wrapped (engine/lora.py): loaded whole, then wrapped again.
             load = functools.partial(load_model, path) if engine.lora is not None \
-                else functools.partial(load_like, scheduler.model, path, scheduler.take_retired())
+                else functools.partial(load_like, scheduler.model, path, scheduler.take_retired)
             model = await asyncio.to_thread(load)
             if engine.lora is not None:  # the new weights serve the loaded adapters too
                 engine.lora.wrap(model)

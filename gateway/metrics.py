@@ -21,7 +21,7 @@ class Metrics:
         self.chain_breaks = Counter("rollway_chain_breaks_total", "New chains by reason", ["reason"], registry=r)
         self.disconnects = Counter("rollway_client_disconnects_total", "Turns cut short by the client", registry=r)
         self.backend_errors = Counter("rollway_backend_errors_total", "Backend failures", ["kind"], registry=r)
-        self.resubmits = Counter("rollway_resubmits_total", "Generations resubmitted after an abort", registry=r)
+        self.resubmits = Counter("rollway_resubmits_total", "Resubmissions of stored replies after an abort (a publish) or a lost backend", registry=r)
         self.sessions = Gauge("rollway_sessions", "Sessions by state", ["state"], registry=r)
         self.groups = Gauge("rollway_groups", "Groups by state", ["state"], registry=r)
         self.weight_version = Gauge("rollway_weight_version", "Current weight version", registry=r)

@@ -76,6 +76,7 @@ async def lease(request: Request) -> Response:
                        body.trainer_version, body.train_constrained_turns)
     deadline = time.monotonic() + body.wait_seconds
     stale_total = 0
+    await leases.remember_params(req)  # admission uses them now, not only once a wait for min_groups ends
     while True:
         waited_out = time.monotonic() >= deadline
         if body.min_groups <= 1 or waited_out or await leases.queued(body.min_groups) >= body.min_groups:

@@ -1,6 +1,8 @@
-"""The store's per-call statements sent straight to the database driver, past SQLAlchemy (same SQL semantics, same
-stored values as the Core path in `store.py`): the two of every chat call (the session lookup by key and the turn
-insert), and the writes of every group (its creation, its sessions' rewards) and the admission read.
+"""The store's per-call statements sent straight to the database driver, past SQLAlchemy (same SQL semantics, the
+same values as the Core path in `store.py`; JSON is written as compact orjson text where SQLAlchemy writes
+`json.dumps`' spaced, ASCII-escaped text, which reads back the same): the two of every chat call (the session
+lookup by key and the turn insert), and the writes of every group (its creation, its sessions' rewards) and the
+admission read.
 
 SQLAlchemy's statement, result and transaction handling was ~0.5 ms of the gateway's CPU per call on SQLite
 and ~1.5 ms on PostgreSQL (py-spy on `benchmarks/gateway.py`), more than all the rest of recording a turn.

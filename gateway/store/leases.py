@@ -111,7 +111,7 @@ class Leases:
     async def lease(self, req: LeaseRequest) -> tuple[str | None, float, list[dict[str, Any]], int]:
         """(batch_id, expires_at, groups with samples, groups dropped as stale)."""
         await self.expire()
-        await self._remember_params(req)
+        await self.remember_params(req)
         queued = (select(G.c.id).where(and_(G.c.state == "complete", G.c.is_eval.is_(False)))
                   .order_by(G.c.completed_at).limit(req.max_groups))
         async with self.engine.connect() as conn:  # nothing queued (a long poll's usual answer): no write lock taken
@@ -241,7 +241,8 @@ class Leases:
     a write on every one took the store's write lock several times a step. Rewritten now and then all the same, in
     case another gateway sharing the store wrote a different trainer's parameters meanwhile."""
 
-    async def _remember_params(self, req: LeaseRequest) -> None:
+    async def remember_params(self, req: LeaseRequest) -> None:
+        """Store the trainer's B and η (each lease request carries them): every gateway admits with them."""
         key_now = (req.groups_per_step, req.max_head_offpolicyness)
         now = time.monotonic()
         if self._remembered is not None and self._remembered[0] == key_now \

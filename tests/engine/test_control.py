@@ -40,6 +40,18 @@ def other_weights(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     return out
 
 
+@pytest.fixture(scope="module")
+def third_weights(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("third-weights")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    model.save_pretrained(out)
+    return out
+
+
 @pytest.fixture
 async def http(live_engine: LiveServer) -> Any:
     async with httpx.AsyncClient(base_url=live_engine.url, timeout=60) as c:
@@ -157,6 +169,23 @@ async def test_update_weights_from_disk(
     )
     assert r.json()["success"] is True
     assert (await generate(http, greedy))["output_ids"] == before["output_ids"]
+
+
+async def test_successive_updates_serve_each_checkpoint(
+    http: httpx.AsyncClient, tiny_model_dir: Path, other_weights: Path, third_weights: Path
+) -> None:
+    """From the second update on, the engine copies the new tensors into the model the last update retired: three
+    checkpoints in turn, each answer is that checkpoint's own (a copy that did not happen would serve the retired
+    model's old weights)."""
+    greedy = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    expected: dict[str, list[int]] = {}
+    for name, path in (("tiny", tiny_model_dir), ("other", other_weights), ("third", third_weights),
+                       ("tiny", tiny_model_dir), ("other", other_weights)):
+        r = await http.post("/update_weights_from_disk", json={"model_path": str(path), "weight_version": name})
+        assert r.json()["success"] is True
+        out = (await generate(http, greedy))["output_ids"]
+        assert expected.setdefault(name, out) == out, name
+    assert len({tuple(v) for v in expected.values()}) == 3
 
 
 async def test_abort_request_matches_rid_prefix(http: httpx.AsyncClient) -> None:

@@ -198,6 +198,36 @@ def test_min_groups_counts_the_groups_of_a_lapsed_lease(gateway: LiveGateway) ->
     gateway.admin.post(f"/v1/batches/{got['batch_id']}/ack", json={})
 
 
+def test_a_waiting_lease_has_stored_the_trainers_parameters(gateway: LiveGateway, db_url: str) -> None:
+    """Admission (every gateway's) uses B and η from the store as soon as the trainer asks, not once its wait for
+    `min_groups` ends."""
+    import asyncio
+
+    from sqlalchemy import select
+
+    from gateway.store.db import create_engine
+    from gateway.store.models import Setting
+
+    drain(gateway)
+    body = {"min_groups": 4, "wait_seconds": 3, "groups_per_step": 4, "max_head_offpolicyness": 7}
+    t = threading.Thread(target=lambda: lease(gateway, max_groups=4, **body))
+    t.start()
+    time.sleep(0.8)
+    assert t.is_alive()
+
+    async def stored() -> dict[str, object]:
+        engine = create_engine(db_url)
+        try:
+            async with engine.connect() as conn:
+                return {r.key: r.value for r in (await conn.execute(select(Setting.key, Setting.value))).all()}
+        finally:
+            await engine.dispose()
+
+    settings = asyncio.run(stored())
+    t.join(10)
+    assert int(settings["groups_per_step"]) == 4 and int(settings["max_head_offpolicyness"]) == 7  # type: ignore[call-overload]
+
+
 def test_min_groups_takes_what_there_is_when_the_wait_ends(gateway: LiveGateway) -> None:
     drain(gateway)
     g = gateway.group(1)

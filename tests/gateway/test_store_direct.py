@@ -235,13 +235,13 @@ async def test_admission_reads_what_the_core_path_reads(db_url: str) -> None:
                 await conn.execute(update(G).where(G.c.id == gid).values(state=state))
         n = before + 4
         assert await both() == (n < limit, n, limit)
-        await leases._remember_params(LeaseRequest(max_groups=1, lease_seconds=1.0, groups_per_step=3,
+        await leases.remember_params(LeaseRequest(max_groups=1, lease_seconds=1.0, groups_per_step=3,
                                                    max_head_offpolicyness=0, trainer_version=None))
         assert await both() == (n < (version + 1) * 3, n, (version + 1) * 3)  # stored values win over defaults
         await leases.publish(version + 1, "/m/1", [], {}, {})
         await leases.publish(version + 2 + n, "/m/2", [], {}, {})
         assert await both() == (True, n, (version + 3 + n) * 3)
-        await leases._remember_params(LeaseRequest(max_groups=1, lease_seconds=1.0, groups_per_step=3,
+        await leases.remember_params(LeaseRequest(max_groups=1, lease_seconds=1.0, groups_per_step=3,
                                                    max_head_offpolicyness=-1, trainer_version=None))
         assert await both() == (True, 0, -1)  # eta < 0: no admission control
     finally:
@@ -291,8 +291,9 @@ async def test_group_rewards_give_what_the_core_path_gives(db_url: str) -> None:
 
 
 async def test_a_group_is_created_on_the_direct_path_as_sqlalchemy_creates_it(db_url: str) -> None:
-    """Every column of the group's row and its sessions' rows, as stored (raw) and as read back, is what the Core
-    path writes: JSON (a string task, a null metadata), booleans, defaults."""
+    """Every column of the group's row and its sessions' rows reads back as what the Core path writes: JSON (a string
+    task, a null metadata stored as JSON null, not SQL NULL), booleans, NULLs. (The JSON text itself differs in
+    spacing and escapes; nothing reads it as text.)"""
     from sqlalchemy import select, text
 
     from gateway.store.direct import G, S
