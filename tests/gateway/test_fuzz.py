@@ -132,9 +132,13 @@ def stream_problems(path: str, text: str) -> list[str]:
     with `[DONE]`, an error in the stream is the envelope; Responses events are numbered 0, 1, ... and end with
     a terminal event (docs/conformance-openai.md)."""
     import json
+    import re
 
+    # SSE lines end at CR, LF or CR LF only. str.splitlines also splits at U+2028, U+2029, U+0085 and a few
+    # others, which JSON leaves unescaped inside a string: a generated token holding one split an event in two.
+    lines = re.split(r"\r\n|\r|\n", text)
     route = path.removeprefix("/sessions/{session_id}")
-    datas = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    datas = [line[len("data: "):] for line in lines if line.startswith("data: ")]
     if not datas:
         return ["an empty stream"]
     events = []
@@ -159,7 +163,7 @@ def stream_problems(path: str, text: str) -> list[str]:
                                                         "response.failed"):
             problems.append("a Responses stream without its terminal event")
     elif route == "/v1/messages":  # Anthropic's named events (docs/conformance-anthropic.md "Streaming")
-        names = [line[len("event: "):] for line in text.splitlines() if line.startswith("event: ")]
+        names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
         if names != [e.get("type") for e in events]:
             problems.append("Messages events whose data type is not the event's name")
         if not names or names[0] != "message_start" or names[-1] not in ("message_stop", "error"):
