@@ -22,6 +22,24 @@ from engine.server import create_app
 torch.set_num_threads(1)
 
 
+def perturbed(tiny_model_dir: Path, out: Path, seed: int, *, tokenizer: bool = False) -> Path:
+    """The tiny model with its weights moved by seeded noise (what a trainer might publish), saved at `out`."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    model.save_pretrained(out)
+    if tokenizer:
+        for f in tiny_model_dir.glob("tokenizer*"):
+            shutil.copy(f, out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def engine_app(tiny_model_dir: Path) -> Iterator[FastAPI]:
     app = create_app(tiny_model_dir, max_batch_size=8)

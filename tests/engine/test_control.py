@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import shutil
 import signal
 import socket
 import threading
@@ -15,11 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from engine.server import build_server, create_app
-from tests.engine.conftest import LiveServer
+from tests.engine.conftest import LiveServer, perturbed
 
 PROMPT = [5, 6, 7, 8, 9]
 LONG = {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}
@@ -28,28 +25,12 @@ LONG = {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def other_weights(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with perturbed weights, same tokenizer: a checkpoint the trainer might publish."""
-    out = tmp_path_factory.mktemp("other-weights")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    model.save_pretrained(out)
-    for f in tiny_model_dir.glob("tokenizer*"):
-        shutil.copy(f, out)
-    return out
+    return perturbed(tiny_model_dir, tmp_path_factory.mktemp("other-weights"), 1, tokenizer=True)
 
 
 @pytest.fixture(scope="module")
 def third_weights(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("third-weights")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    model.save_pretrained(out)
-    return out
+    return perturbed(tiny_model_dir, tmp_path_factory.mktemp("third-weights"), 2)
 
 
 @pytest.fixture

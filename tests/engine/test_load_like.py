@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from engine.scheduler import load_like, load_model
+from tests.engine.conftest import perturbed
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10]])
 
@@ -25,14 +25,7 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def published(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model moved by a 'training step', saved as the trainer exports it."""
-    out = tmp_path_factory.mktemp("published")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    model.save_pretrained(out)
-    return out
+    return perturbed(tiny_model_dir, tmp_path_factory.mktemp("published"), 3)
 
 
 def test_same_model_as_a_whole_load(tiny_model_dir: Path, published: Path) -> None:
