@@ -35,8 +35,9 @@ from engine.lora import (
 )
 from engine.protocol import GenerateCall, GenerateSpec, Result, parse_generate
 from engine.sampling import InvalidRequest, UnknownSamplingKey
-from engine.scheduler import GenRequest, Scheduler, load_like, load_model
+from engine.scheduler import GenRequest, Scheduler
 from engine.weight_sync import add_routes as add_weight_sync_routes
+from engine.weights import load_like, load_model
 
 log = logging.getLogger(__name__)
 

@@ -28,27 +28,37 @@ class Changes:
         self.poll_s = poll_s
         """Longest sleep between two checks of a waiter (what other gateways' changes can take to be seen)."""
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self.count = 0
+        """Notifications so far (`notify` and `notify_one`): a waiter that needs k more changes before a check can
+        succeed compares it with the count it saw, and skips the checks in between."""
 
     def notify(self) -> None:
         """Every current waiter checks again now."""
+        self.count += 1
         while self._waiters:
-            self.notify_one()
+            self._wake_one()
 
     def notify_one(self) -> None:
         """The oldest current waiter checks again now."""
+        self.count += 1
+        self._wake_one()
+
+    def _wake_one(self) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
                 return
 
-    async def wait(self, timeout: float) -> None:
-        """Until woken, or `min(timeout, poll_s)` seconds."""
+    async def wait(self, timeout: float) -> bool:
+        """Until woken (True), or `min(timeout, poll_s)` seconds (False)."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(waiter), max(0.0, min(timeout, self.poll_s)))
+            await asyncio.wait_for(asyncio.shield(waiter), max(0.0, min(timeout, self.poll_s)))
+            return True
+        except TimeoutError:
+            return False
         finally:
             if not waiter.done():
                 waiter.cancel()

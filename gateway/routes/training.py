@@ -77,9 +77,16 @@ async def lease(request: Request) -> Response:
     deadline = time.monotonic() + body.wait_seconds
     stale_total = 0
     await leases.remember_params(req)  # admission uses them now, not only once a wait for min_groups ends
+    completions = request.app.state.completions
+    count, mark, missing = True, 0, 0
     while True:
         waited_out = time.monotonic() >= deadline
-        if body.min_groups <= 1 or waited_out or await leases.queued(body.min_groups) >= body.min_groups:
+        ready = body.min_groups <= 1 or waited_out
+        if not ready and count:
+            queued = await leases.queued(body.min_groups)
+            ready = queued >= body.min_groups
+            mark, missing = completions.count, body.min_groups - queued
+        if ready:
             batch_id, expires, groups, stale = await leases.lease(req)
             stale_total += stale
             if stale:
@@ -89,7 +96,10 @@ async def lease(request: Request) -> Response:
         if await request.is_disconnected():
             batch_id, expires, groups = None, 0.0, []
             break
-        await request.app.state.completions.wait(deadline - time.monotonic())
+        woken = await completions.wait(deadline - time.monotonic())
+        # Count again after a poll interval (changes through another gateway, lapsed leases) or once this gateway
+        # saw as many completions as were missing: a count per completed group was ~5% of the gateway's CPU.
+        count = not woken or completions.count - mark >= missing
     return json_response({"batch_id": batch_id, "expires_at": expires, "groups": groups, "dropped_stale": stale_total})
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.scheduler import load_like, load_model
+from engine.weights import load_like, load_model
 from tests.engine.conftest import perturbed
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10]])

@@ -183,6 +183,27 @@ def test_min_groups_waits_for_that_many_then_leases_them_together(gateway: LiveG
     gateway.admin.post(f"/v1/batches/{got['lease']['batch_id']}/ack", json={})
 
 
+def test_min_groups_wakes_once_the_missing_groups_completed(gateway: LiveGateway) -> None:
+    """With one of three groups complete the wait needs two more completions before it counts again: it must still
+    lease all three once the last one completes (and not before)."""
+    drain(gateway)
+    groups = [gateway.group(1) for _ in range(3)]
+    play(gateway, groups[0]["sessions"][0], 1.0)
+    got: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: got.update(lease(gateway, max_groups=3, min_groups=3, wait_seconds=20)))
+    t.start()
+    time.sleep(0.5)
+    play(gateway, groups[1]["sessions"][0], 0.0)
+    time.sleep(0.8)
+    assert t.is_alive()  # two of three
+    done_at = time.monotonic()
+    play(gateway, groups[2]["sessions"][0], 1.0)
+    t.join(20)
+    assert time.monotonic() - done_at < 10
+    assert sorted(g["group_id"] for g in got["groups"]) == sorted(g["group_id"] for g in groups)
+    gateway.admin.post(f"/v1/batches/{got['batch_id']}/ack", json={})
+
+
 def test_min_groups_counts_the_groups_of_a_lapsed_lease(gateway: LiveGateway) -> None:
     drain(gateway)
     first, second = gateway.group(1), gateway.group(1)
