@@ -21,6 +21,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from transformers import AutoTokenizer, PreTrainedModel
 
 from engine.grammar import GrammarCompiler, grammar_key
@@ -189,21 +190,50 @@ def create_app(
     _add_error_handlers(app)
     _add_routes(app, engine)
     add_weight_sync_routes(app, engine, _json_body)  # the process-group path (gloo)
+    app.add_middleware(GenerateRoute, engine=engine)
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(UnknownSamplingKey)
-    async def unknown_key(request: Request, exc: UnknownSamplingKey) -> JSONResponse:
+def _client_error(exc: Exception) -> JSONResponse:
+    """A request the engine refuses: 400, in SGLang's shapes."""
+    if isinstance(exc, UnknownSamplingKey):
         return JSONResponse({"error": str(exc)}, status_code=400)
+    return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
 
-    @app.exception_handler(LoRAError)
-    async def lora_error(request: Request, exc: LoRAError) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
 
-    @app.exception_handler(InvalidRequest)
-    async def invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+CLIENT_ERRORS = (UnknownSamplingKey, LoRAError, InvalidRequest)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    for kind in CLIENT_ERRORS:
+        app.add_exception_handler(kind, lambda request, exc: _client_error(exc))
+
+
+class GenerateRoute:
+    """ASGI middleware: `POST /generate` served without FastAPI's router, dependency solving and exception
+    middleware (every other path goes on to them). That machinery was ~7% of the engine's CPU in the demo's loop
+    (py-spy on benchmarks/loop.py), where every rollout is a /generate call. Answers as the route would: the same
+    handler, the same 400s; an unexpected exception is logged and answered with a 500."""
+
+    def __init__(self, app: Any, engine: Engine) -> None:
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/generate" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive, send)
+        try:
+            response = await generate(self.engine, request)
+        except CLIENT_ERRORS as exc:
+            response = _client_error(exc)
+        except ClientDisconnect:
+            return
+        except Exception as exc:  # a bug: the client gets an answer, the log the traceback
+            log.exception("/generate failed")
+            response = JSONResponse({"error": {"message": f"{type(exc).__name__}: {exc}"}}, status_code=500)
+        await response(scope, receive, send)
 
 
 async def _json_body(request: Request) -> Any:
@@ -221,36 +251,41 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+async def generate(engine: Engine, request: Request) -> Response:
+    """SGLang's `POST /generate` (served by `GenerateRoute`, and by the app's route when called without it)."""
+    body = await _json_body(request)
+    call = parse_generate(body, engine.tokenizer, engine.context_length, engine.vocab_size)
+    select_adapter(engine.lora, body)  # lora_path: the adapter its rows use (400 when not loaded)
+    if grammar_key(call.specs[0].params) is not None:
+        call = await asyncio.to_thread(engine.with_grammars, call)
+    if call.stream:
+        return StreamingResponse(_sse(engine, call.specs[0]), media_type="text/event-stream")
+    work: asyncio.Future[list[Result]] = asyncio.ensure_future(
+        asyncio.gather(*(engine.collect(s) for s in call.specs))
+    )
+    watch: asyncio.Future[Any] = asyncio.ensure_future(_until_disconnect(request))
+    await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+    watch.cancel()
+    if not work.done():  # client disconnected: cancelling aborts the requests
+        work.cancel()
+        with suppress(asyncio.CancelledError):
+            await work
+        return Response(status_code=499)
+    results: list[Result] = work.result()
+    for r in results:
+        if r.error is not None:
+            return JSONResponse({"error": {"message": r.error}}, status_code=500)
+    status = max((r.finish or {}).get("status_code") or 200 for r in results)
+    body = [r.response() for r in results]
+    return JSONResponse(body if call.batched else body[0], status_code=status)
+
+
 def _add_routes(app: FastAPI, engine: Engine) -> None:
     scheduler = engine.scheduler
 
     @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        body = await _json_body(request)
-        call = parse_generate(body, engine.tokenizer, engine.context_length, engine.vocab_size)
-        select_adapter(engine.lora, body)  # lora_path: the adapter its rows use (400 when not loaded)
-        if grammar_key(call.specs[0].params) is not None:
-            call = await asyncio.to_thread(engine.with_grammars, call)
-        if call.stream:
-            return StreamingResponse(_sse(engine, call.specs[0]), media_type="text/event-stream")
-        work: asyncio.Future[list[Result]] = asyncio.ensure_future(
-            asyncio.gather(*(engine.collect(s) for s in call.specs))
-        )
-        watch: asyncio.Future[Any] = asyncio.ensure_future(_until_disconnect(request))
-        await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
-        watch.cancel()
-        if not work.done():  # client disconnected: cancelling aborts the requests
-            work.cancel()
-            with suppress(asyncio.CancelledError):
-                await work
-            return Response(status_code=499)
-        results: list[Result] = work.result()
-        for r in results:
-            if r.error is not None:
-                return JSONResponse({"error": {"message": r.error}}, status_code=500)
-        status = max((r.finish or {}).get("status_code") or 200 for r in results)
-        body = [r.response() for r in results]
-        return JSONResponse(body if call.batched else body[0], status_code=status)
+    async def generate_route(request: Request) -> Response:
+        return await generate(engine, request)
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:

@@ -224,3 +224,22 @@ async def test_streaming_incremental(
     assert logprobs == final["meta_info"]["output_token_logprobs"]
     assert [c["meta_info"]["completion_tokens"] for c in chunks][-1] == 10
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+
+
+async def test_generate_is_served_in_front_of_the_router(
+    client: httpx.AsyncClient, engine_app: Any, prompt_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`POST /generate` goes through `GenerateRoute` (not FastAPI's routing), which answers a bug in a step with a
+    JSON 500 rather than a dropped connection; other methods and paths still reach the app."""
+    import engine.server as server
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server, "parse_generate", boom)
+    r = await client.post("/generate", json={"input_ids": prompt_ids[0]})
+    assert r.status_code == 500 and "RuntimeError: a bug" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    assert (await client.get("/generate")).status_code == 405  # the app's router: a route with POST only
+    out = await generate(client, prompt_ids[0], temperature=0, max_new_tokens=2)
+    assert len(out["output_ids"]) == 2
