@@ -103,7 +103,7 @@ from rollway.demo import (  # noqa: E402
 )
 from rollway.embedded import die_with_parent, engine_process, free_port, stop, wait_healthy  # noqa: E402
 from rollway.paths import agent_file  # noqa: E402
-from rollway.rollout import Runner, load_agent, load_tasks, run_eval  # noqa: E402
+from rollway.rollout import Runner, load_agent, load_tasks, run_async, run_eval  # noqa: E402
 
 THRESHOLDS = (0.3, 0.5)
 WINDOW_S = 30.0
@@ -187,7 +187,7 @@ def heldout(model: Path, wd: Path, eval_tasks: list[dict[str, Any]]) -> dict[str
             finally:
                 await runner.close()
 
-        return asyncio.run(go())
+        return run_async(go())
 
 
 def start_accuracy(model: Path, sdir: Path, eval_tasks: list[dict[str, Any]]) -> float:
@@ -363,7 +363,7 @@ def run_rollway(model: Path, sdir: Path, seed: int, budget: float, tasks: list[d
         try:
             started = wait_trainer_ready(wd / "trainer.log", trainer)
             log(f"seed {seed}: trainer ready after {started:.1f} s (model loaded, about to lease); clock starts")
-            res = asyncio.run(drive_rollway(gateway, key, trainer, budget, tasks, eval_tasks, servers,
+            res = run_async(drive_rollway(gateway, key, trainer, budget, tasks, eval_tasks, servers,
                                              engine_url))
             res["trainer_start_s"] = started
         finally:

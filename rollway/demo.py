@@ -27,7 +27,7 @@ from tqdm import tqdm
 from rollway.embedded import die_with_parent, engine_process, free_port, stop, wait_healthy
 from rollway.keys import admin_key
 from rollway.paths import agent_file
-from rollway.rollout import Runner, append_line, load_agent, load_tasks, run_eval
+from rollway.rollout import Runner, append_line, load_agent, load_tasks, run_async, run_eval
 
 # Tuned on this 2-core machine (see the closing notes of the trainer issue for the sweep).
 SFT_EXAMPLES = 1000  # the training tasks only; the held-out tasks are never seen
@@ -239,7 +239,7 @@ def main(args: argparse.Namespace) -> int:
             deadline = time.time() + args.minutes * 60
             if not args.steps:
                 deadline = min(deadline, t0 + TOTAL_SECONDS - END_RESERVE_S)
-            res = asyncio.run(_rl(gateway, key, train_cmd, env, out, deadline, args.steps, tasks, eval_tasks))
+            res = run_async(_rl(gateway, key, train_cmd, env, out, deadline, args.steps, tasks, eval_tasks))
         finally:
             stop(gw)
             glog.close()

@@ -356,11 +356,29 @@ async def rollout(args: argparse.Namespace, admin_key: str) -> Stats:
     return runner.stats
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (a dependency except on Windows), else None: asyncio's default.
+    The runner's CPU per session is mostly the agent's SDK, and some of it the event loop's own work
+    (benchmarks/runner.py compares the two)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def run_async(coro: Any) -> Any:
+    """`asyncio.run(coro)` on `event_loop_factory()`'s loop: how the runner's commands (`rollway rollout`, the demo)
+    run their agents."""
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(coro)
+
+
 def main(args: argparse.Namespace) -> int:
     key = find_admin_key(args.data_dir)
     if not key:
         raise SystemExit(missing_key_message(args.data_dir))
-    stats = asyncio.run(rollout(args, key))
+    stats = run_async(rollout(args, key))
     print(json.dumps({"groups": stats.groups_done, "sessions": stats.sessions_done,
                       "sessions_failed": stats.sessions_failed, "mean_reward": round(stats.mean_reward, 4)}))
     return 0

@@ -110,3 +110,20 @@ def test_a_group_keeps_the_rewards_of_its_sessions_that_ran(gateway: LiveGateway
         assert group["state"] == "complete"
         assert sorted((x["state"], x["reward"]) for x in group["sessions"]) == [
             ("abandoned", None), ("finished", 1.0), ("finished", 1.0)]
+
+
+def test_the_runner_commands_run_on_uvloop_where_it_is_installed() -> None:
+    """`rollway rollout` and the demo run their agents through `run_async`: uvloop's loop (a dependency off
+    Windows; benchmarks/runner.py: ~25% less of the runner's CPU per session), asyncio's default without it."""
+    import asyncio
+
+    import pytest
+
+    from rollway.rollout import event_loop_factory, run_async
+
+    async def which() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    uvloop = pytest.importorskip("uvloop")
+    assert event_loop_factory() is uvloop.new_event_loop
+    assert run_async(which()).startswith("uvloop")
