@@ -6,9 +6,9 @@ Two channels, on `app.state`:
 - `completions`: a group completed (the store's `on_group_end`). Every waiting lease looks again (`notify`).
 - `budget`: room may have opened under the staleness budget (a version published, a group dropped: filtered,
   abandoned, too few sessions). One waiting creation at a time looks (`notify_one`, oldest first); one that gets
-  in passes the wake-up on, one that finds no room keeps it. An admission check is a count over the groups
-  table: woken all at once, a few dozen waiting creations took a fifth of the gateway's CPU
-  (py-spy on benchmarks/loop.py).
+  in passes the wake-up on, one that finds no room keeps it. Woken all at once, a few dozen waiting creations,
+  each checking admission (then a count over the groups table), took a fifth of the gateway's CPU (py-spy on
+  benchmarks/loop.py).
 A wake-up saves the wait for the next poll; changes made through another gateway sharing the store are seen by
 the periodic re-check alone (`poll_s`).
 

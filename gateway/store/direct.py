@@ -221,7 +221,7 @@ _ADMISSION = (
     "SELECT (SELECT value FROM settings WHERE key = 'max_head_offpolicyness'), "
     "(SELECT value FROM settings WHERE key = 'groups_per_step'), "
     "(SELECT max(version) FROM weight_versions), "
-    f"(SELECT count(*) FROM {G.name} WHERE state IN ('open', 'complete', 'leased', 'trained') AND NOT is_eval)"
+    "(SELECT groups FROM admission_counts WHERE id = 1)"  # kept by triggers on groups (migration 0005)
 )
 """`Leases.admission`'s three reads (the settings, the current version, the groups counted) in one statement: one
 round trip per group creation. Checked against the Core path by tests/gateway/test_store_direct.py."""

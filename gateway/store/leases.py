@@ -14,15 +14,16 @@ from sqlalchemy import Table, and_, func, select, update
 
 from gateway.errors import Conflict, NotFound
 from gateway.samples import session_sequences
-from gateway.store.models import Batch, Group, Session, Setting, WeightState
+from gateway.store.models import AdmissionCount, Batch, Group, Session, Setting, WeightState
 from gateway.store.store import Store, new_id
 
 G = cast(Table, Group.__table__)
+AC = cast(Table, AdmissionCount.__table__)
 S = cast(Table, Session.__table__)
 B = cast(Table, Batch.__table__)
 W = cast(Table, WeightState.__table__)
 KV = cast(Table, Setting.__table__)
-COUNTED = ("open", "complete", "leased", "trained")
+COUNTED = ("open", "complete", "leased", "trained")  # what admission counts (admission_counts, migration 0005)
 
 
 @dataclass(slots=True)
@@ -270,8 +271,7 @@ class Leases:
                 kv = {row.key: row.value for row in (await conn.execute(select(KV.c.key, KV.c.value))).all()}
                 stored_eta, stored_b = kv.get("max_head_offpolicyness"), kv.get("groups_per_step")
                 version = (await conn.execute(select(func.max(W.c.version)))).scalar() or 0
-                counted = (await conn.execute(select(func.count()).select_from(G).where(
-                    and_(G.c.state.in_(COUNTED), G.c.is_eval.is_(False))))).scalar_one()
+                counted = (await conn.execute(select(AC.c.groups).where(AC.c.id == 1))).scalar_one()
         eta = int(default_eta if stored_eta is None else stored_eta)
         b = int(default_b if stored_b is None else stored_b)
         if eta < 0:

@@ -44,6 +44,15 @@ class Group(Base):
     __table_args__ = (Index("ix_groups_created_at_id", "created_at", "id"),)
 
 
+class AdmissionCount(Base):
+    """One row (id 1): how many groups the staleness admission counts (not eval; open, complete, leased or
+    trained), kept by triggers on groups (migration 0005), so admission reads a row, not a count of every group."""
+
+    __tablename__ = "admission_counts"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    groups: Mapped[int] = mapped_column(Integer)
+
+
 class Session(Base):
     __tablename__ = "sessions"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)

@@ -248,6 +248,57 @@ async def test_admission_reads_what_the_core_path_reads(db_url: str) -> None:
         await store.close()
 
 
+async def test_the_admission_count_follows_every_change_of_groups(db_url: str) -> None:
+    """admission_counts (kept by triggers, migration 0005) equals a count of the counted groups after inserts,
+    changes of state between counted and not counted ones (both ways), within counted ones, of is_eval, and
+    deletes; admission reads it."""
+    from sqlalchemy import delete, func, select, update
+
+    from gateway.store.leases import AC, COUNTED, G, LeaseRequest, Leases, S
+
+    store = Store(create_engine(db_url))
+    await store.open()
+    leases = Leases(store, gamma=1.0)
+    await leases.remember_params(LeaseRequest(max_groups=1, lease_seconds=1.0, groups_per_step=4,
+                                               max_head_offpolicyness=1, trainer_version=None))
+
+    async def check() -> int:
+        async with store.engine.connect() as conn:
+            kept = (await conn.execute(select(AC.c.groups).where(AC.c.id == 1))).scalar_one()
+            counted = (await conn.execute(select(func.count()).select_from(G).where(
+                G.c.state.in_(COUNTED), G.c.is_eval.is_(False)))).scalar_one()
+        assert kept == counted
+        got = await leases.admission(4, 1)
+        assert got[1] == kept, got
+        return int(kept)
+
+    async def change(gid: str, **values: Any) -> None:
+        async with store.begin() as conn:
+            await conn.execute(update(G).where(G.c.id == gid).values(**values))
+
+    try:
+        start = await check()
+        gids = [(await store.create_group({"q": i}, 2, sampling={}))[0] for i in range(4)]
+        eval_gid = (await store.create_group({"q": "eval"}, 2, sampling={}, is_eval=True))[0]
+        assert await check() == start + 4
+        await change(gids[0], state="complete")
+        await change(gids[0], state="leased")
+        await change(gids[0], state="trained")  # counted all along
+        await change(gids[1], state="dropped", drop_reason="filtered")
+        assert await check() == start + 3
+        await change(gids[1], state="complete")  # back (as no code path does, but the count must follow)
+        await change(eval_gid, is_eval=False)
+        assert await check() == start + 5
+        await change(gids[2], is_eval=True, state="dropped")
+        async with store.begin() as conn:
+            await conn.execute(update(G).where(G.c.id.in_([gids[3], gids[1]])).values(state="leased"))
+            await conn.execute(delete(S).where(S.c.group_id == gids[3]))
+            await conn.execute(delete(G).where(G.c.id == gids[3]))
+        assert await check() == start + 3
+    finally:
+        await store.close()
+
+
 async def test_group_rewards_give_what_the_core_path_gives(db_url: str) -> None:
     """`Store.set_group_rewards` on the direct path (one transaction) and on the Core path (a transaction per
     session): the same answers, stored rewards, session states, group state, and group-end notices."""
@@ -337,3 +388,23 @@ async def test_a_group_is_created_on_the_direct_path_as_sqlalchemy_creates_it(db
                 assert auth is not None and auth.id == sid and auth.group_id == d_gid and auth.state == "active"
     finally:
         await store.close()
+
+
+def test_the_admission_count_starts_as_the_count_of_the_groups_already_there(tmp_path: Any) -> None:
+    """Migration 0005 on a store that has groups: the count starts from them (then the triggers keep it)."""
+    import sqlite3
+
+    from gateway.store import db
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    db.upgrade(url, "0004")
+    con = sqlite3.connect(tmp_path / "old.db")
+    rows = [("g1", "open", 0), ("g2", "trained", 0), ("g3", "dropped", 0), ("g4", "complete", 1), ("g5", "leased", 0)]
+    con.executemany("INSERT INTO groups (id, task, n_samples, state, is_eval, sampling, created_at) "
+                    "VALUES (?, '{}', 2, ?, ?, '{}', 0)", rows)
+    con.commit()
+    db.upgrade(url)
+    assert con.execute("SELECT groups FROM admission_counts WHERE id = 1").fetchone() == (3,)
+    con.execute("UPDATE groups SET state = 'dropped' WHERE id = 'g1'")
+    assert con.execute("SELECT groups FROM admission_counts WHERE id = 1").fetchone() == (2,)
+    con.close()
