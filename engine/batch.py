@@ -36,6 +36,29 @@ class SlabLayer(DynamicLayer):
         self._len = t
         self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
 
+    @classmethod
+    def stacked(cls, top: tuple[torch.Tensor, torch.Tensor], bottom: tuple[torch.Tensor, torch.Tensor],
+                width: int) -> SlabLayer:
+        """`top`'s rows above `bottom`'s, each right-aligned at `width` columns (zeros on the left), written once
+        into a new slab (not concatenated, then copied into one)."""
+        layer = cls.__new__(cls)
+        DynamicLayer.__init__(layer)
+        keys = top[0]
+        layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
+        b1, b2 = top[0].shape[0], bottom[0].shape[0]
+        room = width + max(SPARE_COLUMNS, width // 2)
+        layer._k = keys.new_empty(b1 + b2, keys.shape[1], room, keys.shape[3])
+        layer._v = top[1].new_empty(b1 + b2, top[1].shape[1], room, top[1].shape[3])
+        for buf, a, b in ((layer._k, top[0], bottom[0]), (layer._v, top[1], bottom[1])):
+            for rows, part in ((buf[:b1], a), (buf[b1:], b)):
+                pad = width - part.shape[2]
+                if pad:
+                    rows[:, :, :pad] = 0
+                rows[:, :, pad:width] = part
+        layer._len = width
+        layer.keys, layer.values = layer._k[:, :, :width], layer._v[:, :, :width]
+        return layer
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,15 +108,10 @@ class DecodeBatch:
             self.cache, self.lengths = other.cache, list(other.lengths)
             return
         width = max(self.width, other.width)
-        pad_self, pad_other = width - self.width, width - other.width
-        merged = [
-            (
-                torch.cat([_pad_left(k1, pad_self), _pad_left(k2, pad_other)]),
-                torch.cat([_pad_left(v1, pad_self), _pad_left(v2, pad_other)]),
-            )
-            for (k1, v1), (k2, v2) in zip(layers_of(self.cache), layers_of(other.cache), strict=True)
-        ]
-        self.cache = _slab_cache(merged)
+        cache = DynamicCache()
+        cache.layers = [SlabLayer.stacked(mine, theirs, width)
+                        for mine, theirs in zip(layers_of(self.cache), layers_of(other.cache), strict=True)]
+        self.cache = cache
         self.lengths += other.lengths
 
     def keep(self, rows: list[int]) -> None:
@@ -142,17 +160,18 @@ def prefill(
         first: dict[tuple[int, ...], int] = {}
         rows = [first.setdefault(tuple(s), len(first)) for s in sequences]
         if len(first) < len(sequences):
-            unique, logits = _prefill(model, [list(s) for s in first])
+            layers, logits = _forward(model, [list(s) for s in first])
             index = torch.tensor(rows)
-            assert unique.cache is not None
-            cache = _slab_cache([(k[index], v[index]) for k, v in layers_of(unique.cache)])
+            cache = _slab_cache([(k[index], v[index]) for k, v in layers])
             return DecodeBatch(cache, [len(s) for s in sequences]), logits[index]
-    return _prefill(model, sequences, all_logits=all_logits)
+    layers, logits = _forward(model, sequences, all_logits=all_logits)
+    return DecodeBatch(_slab_cache(layers), [len(s) for s in sequences]), logits
 
 
-def _prefill(
+def _forward(
     model: PreTrainedModel, sequences: list[list[int]], *, all_logits: bool = False
-) -> tuple[DecodeBatch, torch.Tensor]:
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """The forward of a prefill: each layer's keys and values (left-padded) and the logits."""
     lengths = [len(s) for s in sequences]
     width = max(lengths)
     pads = torch.tensor([width - n for n in lengths]).unsqueeze(1)  # (B, 1)
@@ -167,11 +186,4 @@ def _prefill(
         logits_to_keep=0 if all_logits else 1,
     )
     logits = out.logits.float()
-    return DecodeBatch(_slab_cache(layers_of(cache)), lengths), logits if all_logits else logits[:, -1]
-
-
-def _pad_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """(B, H, T, D) -> (B, H, n + T, D) with zeros in front."""
-    if n == 0:
-        return x
-    return torch.cat([x.new_zeros(*x.shape[:2], n, x.shape[3]), x], dim=2)
+    return layers_of(cache), logits if all_logits else logits[:, -1]
