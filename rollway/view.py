@@ -51,8 +51,9 @@ def add_parser(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
     v.add_argument("--host", default="127.0.0.1", help="bind address")
     v.add_argument("--port", type=int, default=DEFAULT_PORT, help="port")
     v.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="a tokenizer folder, to show the token view's ids as text (default: DATA_DIR/model-init, "
-                   "the demo's model, when it exists; else ids only)")
+                   help="a tokenizer folder, to show the token view's ids as text (default: the first of "
+                   "DATA_DIR/model-init (the demo's), DATA_DIR/tiny-model (rollway serve's) and any other folder of "
+                   "DATA_DIR holding a tokenizer, when one exists; else ids only)")
     v.add_argument("--admin-key", default=None, metavar="KEY",
                    help="admin key of this viewer (default: env ROLLWAY_ADMIN_KEY, else DATA_DIR/admin_key, else generated "
                    "and printed; "
@@ -174,6 +175,32 @@ def mount_pages(app: Any) -> bool:
     return False
 
 
+KNOWN_MODEL_DIRS = ("model-init", "tiny-model", "sft")
+"""Where `rollway demo` (model-init, sft) and `rollway serve` (tiny-model) keep a model in their data folder."""
+
+
+def find_tokenizer(data_dir: Path) -> str | None:
+    """The data folder's tokenizer: a known model folder first, else any folder in it (or one level down, as
+    the trainer's weights/v12) holding tokenizer_config.json. None when there is none."""
+    def ok(d: Path) -> bool:
+        return (d / "tokenizer_config.json").is_file()
+
+    for name in KNOWN_MODEL_DIRS:
+        if ok(data_dir / name):
+            return str(data_dir / name)
+    if not data_dir.is_dir():
+        return None
+    subs = sorted(p for p in data_dir.iterdir() if p.is_dir())
+    for d in subs:
+        if ok(d):
+            return str(d)
+    for d in subs:
+        for inner in sorted(p for p in d.iterdir() if p.is_dir()):
+            if ok(inner):
+                return str(inner)
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -187,9 +214,9 @@ def main(args: argparse.Namespace) -> int:
     if generated:
         key = "rw-admin-" + secrets.token_urlsafe(32)
     sock = listen_socket(args.host, args.port)
-    tokenizer = args.tokenizer
-    if tokenizer is None and (Path(args.data_dir) / "model-init" / "tokenizer_config.json").is_file():
-        tokenizer = str(Path(args.data_dir) / "model-init")
+    tokenizer = args.tokenizer or find_tokenizer(Path(args.data_dir))
+    if tokenizer:
+        print(f"rollway view: token text from {tokenizer}", flush=True)
     app = create_view_app(url, key, tokenizer)
     from sqlalchemy.engine import make_url
 

@@ -155,14 +155,16 @@ def test_a_given_key_is_used_and_not_printed(recorded: dict[str, Any]) -> None:
         v.stop()
 
 
+@pytest.mark.parametrize("folder", ["model-init", "tiny-model"])
 def test_a_data_dir_gives_the_store_its_admin_key_and_tokenizer(
-    recorded: dict[str, Any], tiny_model_dir: Path, tmp_path: Path
+    recorded: dict[str, Any], tiny_model_dir: Path, tmp_path: Path, folder: str
 ) -> None:
-    """`rollway view --data-dir OUT` over what the demo leaves in OUT: rollway.db, the admin_key file and the
-    model-init folder, whose tokenizer turns the token view's ids into text."""
+    """`rollway view --data-dir OUT` over what the demo (model-init) or `rollway serve` (tiny-model) leaves in
+    OUT: rollway.db, the admin_key file and the model folder, whose tokenizer turns the token view's ids into
+    text (issue 28: serve's tiny-model was not looked for, and the page showed ids)."""
     shutil.copy(recorded["url"].removeprefix("sqlite:///"), tmp_path / "rollway.db")
     (tmp_path / "admin_key").write_text("rw-admin-from-file\n")
-    shutil.copytree(tiny_model_dir, tmp_path / "model-init")
+    shutil.copytree(tiny_model_dir, tmp_path / folder)
     v = View("--data-dir", str(tmp_path))
     v.expect_key = False
     try:
@@ -207,6 +209,9 @@ def test_the_pages_open_without_an_engine(view: View, recorded: dict[str, Any]) 
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), (path, r.text[:300])
         assert c.get("/ui/api/overview").status_code == 200
         assert c.get("/ui/static/ui.css").status_code == 200
+        icon = c.get("/favicon.ico")  # every page's origin is asked for it: no 404 in the console
+        assert icon.status_code == 200 and icon.headers["content-type"] == "image/x-icon"
+        assert icon.content[:4] == b"\x00\x00\x01\x00"
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,20 @@ stops as soon as a page is full). `benchmarks/viewer.py` measures every filter c
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from sqlalchemy import Select, Table, Text, and_, func, literal, or_, select, tuple_
+from sqlalchemy import Select, Table, Text, and_, case, func, literal, or_, select, tuple_
 from sqlalchemy import cast as sql_cast
 
 from gateway.errors import BadRequest
 from gateway.store.db import DbEngine
-from gateway.store.models import Group, Session
+from gateway.store.models import Batch, Group, Session
 
 G = cast(Table, Group.__table__)
 S = cast(Table, Session.__table__)
+B = cast(Table, Batch.__table__)
 
 STATES = ("open", "complete", "leased", "trained", "dropped")
 PAGE_SIZES = (10, 25, 50, 100, 200)
@@ -37,7 +39,8 @@ class GroupFilter:
     version: int | None = None
     reason: str | None = None
     kind: str | None = None
-    """"eval", "train" or None (both)."""
+    """"eval", "train", or "all" / None (both). The groups page opens on "train" (no `kind` given); the JSON
+    list on both."""
 
     def query_string(self) -> dict[str, str]:
         """The filter as URL parameters (for the page links)."""
@@ -66,8 +69,8 @@ def parse_filter(params: Any) -> GroupFilter:
     if state is not None and state not in STATES:
         raise BadRequest(f"state must be one of {', '.join(STATES)}", param="state")
     kind = (params.get("kind") or "").strip() or None
-    if kind is not None and kind not in ("eval", "train"):
-        raise BadRequest("kind must be eval or train", param="kind")
+    if kind is not None and kind not in ("eval", "train", "all"):
+        raise BadRequest("kind must be eval, train or all", param="kind")
     text = (params.get("q") or "").strip() or None
     if text is not None and (len(text) > MAX_TEXT or "\x00" in text):
         raise BadRequest(f"q must be at most {MAX_TEXT} characters, without NUL", param="q")
@@ -115,9 +118,33 @@ def escape_like(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
+REWARD_CLAMP = 1e300
+"""Rewards are clamped to +-this inside the viewer's SQL means: PostgreSQL's avg(float8) keeps a sum of squares
+(1e155 squared overflows: an error, not inf) and its sum(float8) errors past 1.8e308; a clamped value's sum
+stays finite for ~1e8 sessions. The REST API refuses such rewards today, but a store may already hold them."""
+
+
+def clamped(column: Any) -> Any:
+    return case((column > REWARD_CLAMP, REWARD_CLAMP), (column < -REWARD_CLAMP, -REWARD_CLAMP), else_=column)
+
+
+def safe_avg(column: Any) -> Any:
+    """avg(column) that never overflows on either store: sum of the clamped values over their count (NULL
+    when there are none), no sum of squares."""
+    return func.sum(clamped(column)) / func.nullif(func.count(column), 0)
+
+
+def finite(value: Any) -> float | None:
+    """A float from the database, None when absent or not finite (SQLite's sum gives inf past 1.8e308)."""
+    if value is None:
+        return None
+    x = float(value)
+    return x if math.isfinite(x) else None
+
+
 def mean_reward() -> Any:
     """A group's mean session reward (rewarded sessions only): read from ix_sessions_group_id_reward alone."""
-    return select(func.avg(S.c.reward)).where(and_(S.c.group_id == G.c.id, S.c.reward.is_not(None))) \
+    return select(safe_avg(S.c.reward)).where(and_(S.c.group_id == G.c.id, S.c.reward.is_not(None))) \
         .scalar_subquery()
 
 
@@ -127,7 +154,7 @@ def _where(f: GroupFilter, dialect: str, mean: bool = True) -> list[Any]:
     conds: list[Any] = []
     if f.state:
         conds.append(G.c.state == f.state)
-    if f.kind:
+    if f.kind in ("eval", "train"):
         conds.append(G.c.is_eval.is_(f.kind == "eval"))
     if f.reason:
         conds.append(G.c.drop_reason == f.reason)
@@ -183,6 +210,7 @@ async def list_groups(engine: DbEngine, f: GroupFilter, *, limit: int = 50, afte
         sessions = (await conn.execute(
             select(S.c.id, S.c.group_id, S.c.replica, S.c.state, S.c.reward, S.c.turn_count)
             .where(S.c.group_id.in_(ids)).order_by(S.c.group_id, S.c.replica))).mappings().all() if ids else []
+        await mark_lapsed(conn, rows)
     by_group: dict[str, list[dict[str, Any]]] = {}
     for s in sessions:
         by_group.setdefault(s["group_id"], []).append(dict(s))
@@ -201,15 +229,49 @@ async def list_groups(engine: DbEngine, f: GroupFilter, *, limit: int = 50, afte
     return page
 
 
+def mean_std(values: list[float]) -> tuple[float, float] | None:
+    """Population mean and standard deviation of finite floats, finite for any finite input: computed on the
+    values divided by the largest magnitude (1e155 squared, or 1e308 + 1e308, would overflow), then scaled
+    back (both are at most that magnitude). None for no value; non-finite values are left out."""
+    xs = [x for x in values if math.isfinite(x)]
+    if not xs:
+        return None
+    scale = max(abs(x) for x in xs)
+    if scale == 0.0:
+        return 0.0, 0.0
+    ys = [x / scale for x in xs]
+    m = math.fsum(ys) / len(ys)
+    var = math.fsum((y - m) * (y - m) for y in ys) / len(ys)
+    return m * scale, math.sqrt(var) * scale
+
+
+async def mark_lapsed(conn: Any, groups: list[dict[str, Any]]) -> None:
+    """`lease` on each leased group: "held" while its batch's lease runs, "lapsed" once it expired (the trainer
+    is gone or late; the gateway returns the group to the queue at the next lease, a viewer never writes),
+    with the lease's `lease_expires_at`."""
+    leased = [g for g in groups if g.get("state") == "leased"]
+    if not leased:
+        return
+    ids = {g["id"] for g in leased}
+    found = (await conn.execute(select(G.c.id, B.c.expires_at).select_from(G.join(B, B.c.id == G.c.batch_id))
+                                .where(G.c.id.in_(ids)))).all()
+    expiry = {str(gid): float(at) for gid, at in found}
+    now = time.time()
+    for g in leased:
+        at = expiry.get(g["id"])
+        g["lease"] = "lapsed" if at is None or at <= now else "held"
+        g["lease_expires_at"] = at
+
+
 def reward_stats(sessions: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean and spread of the rewarded sessions; `zero_variance` when two or more share one reward (no
-    GRPO signal: every advantage is 0)."""
+    GRPO signal: every advantage is 0). Overflow-safe (`mean_std`)."""
     rewards = [float(s["reward"]) for s in sessions if s.get("reward") is not None]
-    if not rewards:
+    stats = mean_std(rewards)
+    if stats is None:
         return {"reward_mean": None, "reward_std": None, "zero_variance": False}
-    mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-    return {"reward_mean": mean, "reward_std": std, "zero_variance": len(rewards) >= 2 and std == 0.0}
+    mean, std = stats
+    return {"reward_mean": mean, "reward_std": std, "zero_variance": len(rewards) >= 2 and len(set(rewards)) == 1}
 
 
 async def count_groups(engine: DbEngine, f: GroupFilter) -> int:
@@ -221,7 +283,7 @@ async def count_groups(engine: DbEngine, f: GroupFilter) -> int:
     if f.reward_min is not None or f.reward_max is not None:
         lo = f.reward_min if f.reward_min is not None else -math.inf
         hi = f.reward_max if f.reward_max is not None else math.inf
-        mean = func.avg(S.c.reward)
+        mean = safe_avg(S.c.reward)
         having = mean.between(lo, hi) if math.isfinite(lo) and math.isfinite(hi) else (mean >= lo if math.isfinite(lo)
                                                                                        else mean <= hi)
         ids = select(S.c.group_id).where(S.c.reward.is_not(None)).group_by(S.c.group_id).having(having)

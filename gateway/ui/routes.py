@@ -4,6 +4,7 @@ everything, a session key only its own session (403 elsewhere, as on the REST AP
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -74,7 +75,14 @@ def _task_text(task: Any, limit: int = 160) -> str:
 
 ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
                          trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-ENV.filters.update(fmt=_fmt, when=_when, task_text=_task_text,
+def _plural(n: Any, word: str, words: str | None = None) -> str:
+    """"1 turn", "2 turns" ("–" for none)."""
+    if n is None:
+        return "–"
+    return f"{n} {word if n == 1 else (words or word + 's')}"
+
+
+ENV.filters.update(fmt=_fmt, when=_when, task_text=_task_text, plural=_plural,
                    urlq=lambda d: urllib.parse.urlencode(d), tojson_attr=lambda v: json.dumps(v))
 ENV.globals["static_version"] = STATIC_VERSION
 
@@ -136,7 +144,8 @@ async def _build(request: Request, session_id: str, session: dict[str, Any], key
         gamma = float(getattr(getattr(request.app.state, "settings", None), "gamma", 1.0))
         # A walk over the turns, not the tokens (~10 ms for 200 turns of 4k tokens); off the loop all the same,
         # for the drift report's compare of a broken chain against the earlier ones.
-        chains = await asyncio.to_thread(build_chains, rows, session.get("reward"), gamma)
+        group = await store.group(session["group_id"])
+        chains = await asyncio.to_thread(build_chains, rows, session.get("reward"), gamma, bool(group.get("is_eval")))
         hit = (chains, [r.id for r in rows])
         cache.put(key, hit)
         return hit
@@ -145,6 +154,13 @@ async def _build(request: Request, session_id: str, session: dict[str, Any], key
 
 
 # --- pages -----------------------------------------------------------------------------------------
+
+
+@router.get("/favicon.ico")
+async def favicon() -> Response:
+    """The browser asks every page's origin for it: an answer, not a 404 in the console."""
+    return Response((HERE / "static" / "favicon.ico").read_bytes(), media_type="image/x-icon",
+                    headers={"Cache-Control": "public, max-age=86400"})
 
 
 @router.get("/ui")
@@ -162,7 +178,7 @@ async def groups_page(request: Request) -> Response:
     caller = await _caller(request)
     try:
         caller.require_run_wide()
-        f, pg, limit = await _group_page(request)
+        f, pg, limit = await _group_page(request, default_kind="train")
         total = await queries.count_groups(request.app.state.store.engine, f)
         reasons = await queries.drop_reasons(request.app.state.store.engine)
     except UiSignInRequired:
@@ -174,9 +190,11 @@ async def groups_page(request: Request) -> Response:
                   states=queries.STATES, sizes=queries.PAGE_SIZES, query=f.query_string())
 
 
-async def _group_page(request: Request) -> tuple[queries.GroupFilter, queries.GroupPage, int]:
+async def _group_page(request: Request, *, default_kind: str | None = None) -> tuple[queries.GroupFilter, queries.GroupPage, int]:
     q = request.query_params
     f = queries.parse_filter(q)
+    if default_kind and "kind" not in q:  # the page opens on training groups; eval ones behind the Kind filter
+        f = dataclasses.replace(f, kind=default_kind)
     try:
         limit = int(q.get("limit") or 50)
     except ValueError:
@@ -288,6 +306,24 @@ async def off_loop(store: Store, work: Callable[[], Coroutine[Any, Any, T]]) -> 
     return await work()
 
 
+@router.get("/ui/api/leases")
+async def leases_json(request: Request) -> Response:
+    """The leases still marked leased, newest first, `offset` and `limit` (1..100, default 10): each held or
+    lapsed; the overview shows the first page."""
+    (await _caller(request)).require_run_wide()
+    q = request.query_params
+    try:
+        offset, limit = int(q.get("offset") or 0), int(q.get("limit") or overview_data.LEASES_SHOWN)
+    except ValueError:
+        raise BadRequest("offset and limit must be integers", param="offset") from None
+    if not 0 <= offset < 2**31 or not 1 <= limit <= 100:
+        raise BadRequest("offset must be >= 0 and limit 1..100", param="limit")
+    now = time.time()
+    async with request.app.state.store.engine.connect() as conn:
+        out = await overview_data.leases(conn, now, offset=offset, limit=limit)
+    return _json({**out, "now": now})
+
+
 @router.get("/ui/api/groups")
 async def groups_json(request: Request) -> Response:
     (await _caller(request)).require_run_wide()
@@ -394,4 +430,6 @@ async def group_data(request: Request, group_id: str) -> dict[str, Any]:
         s["advantage"] = (advantages.get(s["id"]) or {}).get("advantage")
         s.update(stats.get(s["id"], {}))
     group.update(queries.reward_stats(group["sessions"]))
+    async with store.engine.connect() as conn:
+        await queries.mark_lapsed(conn, [group])
     return group

@@ -65,8 +65,10 @@ class Chain:
     drift: dict[str, Any] | None = None
     """For a chain whose first turn broke off an earlier one: reason, that turn, the first divergent index."""
 
+    eval: bool = False
+
     def summary(self) -> dict[str, Any]:
-        return {"leaf_id": self.leaf_id, "tokens": self.total, "trained": self.trained,
+        return {"leaf_id": self.leaf_id, "tokens": self.total, "trained": self.trained, "eval": self.eval,
                 "turns": [_span_json(s) for s in self.spans], "boundaries": self.boundaries, "drift": self.drift}
 
     def window(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -178,11 +180,13 @@ def _learned(rows: list[TurnRow], session_reward: float | None, gamma: float) ->
     return out
 
 
-def build_chains(rows: list[TurnRow], session_reward: float | None, gamma: float) -> list[Chain]:
-    """Every chain of a session (leaves of its turn tree, in the order samples.py takes them)."""
+def build_chains(rows: list[TurnRow], session_reward: float | None, gamma: float,
+                 is_eval: bool = False) -> list[Chain]:
+    """Every chain of a session (leaves of its turn tree, in the order samples.py takes them). An eval
+    session's chains train nothing (a lease never hands out eval groups): their masks are 0."""
     by_id = {r.id: r for r in rows}
     extended = {r.parent_id for r in rows if r.parent_id}
-    learned = _learned(rows, session_reward, gamma)
+    learned = {} if is_eval else _learned(rows, session_reward, gamma)
     marks: dict[str, list[tuple[int, int, int]]] = {}  # per turn: (index in its reply, from, to)
     out: list[Chain] = []
     for leaf in (r for r in rows if r.id not in extended):
@@ -192,7 +196,7 @@ def build_chains(rows: list[TurnRow], session_reward: float | None, gamma: float
             path.append(node)
             node = by_id.get(node.parent_id) if node.parent_id else None
         path.reverse()
-        chain = Chain(leaf.id, [])
+        chain = Chain(leaf.id, [], eval=is_eval)
         at = 0
         for turn in path:
             start, cstart = at, at + len(turn.prompt_ids) // 4

@@ -114,7 +114,7 @@
     body.replaceChildren(...d.data.map(c => {
       const tr = document.createElement("tr");
       tr.dataset.chain = c.leaf_id;
-      const cells = [c.leaf_id.slice(0, 18) + "…", c.turns.map(t => t.seq).join(", "), c.tokens, c.trained,
+      const cells = [c.leaf_id.slice(0, 18) + "…", c.turns.map(t => t.seq).join(", "), c.tokens, c.eval ? "– (eval: never trained)" : c.trained,
         c.boundaries.map(b => `turn ${b.seq}: v${b.from}→v${b.to}`).join("; ") || "–",
         c.drift ? `${c.drift.reason} at token ${c.drift.index} (vs turn ${c.drift.against_seq})` : "first turn"];
       cells.forEach((v, i) => { const td = document.createElement("td"); td.textContent = String(v); if (i === 2 || i === 3) td.className = "num"; if (i === 0) td.className = "mono"; tr.appendChild(td); });
