@@ -10,6 +10,7 @@ stops as soon as a page is full). `benchmarks/viewer.py` measures every filter c
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -230,36 +231,49 @@ async def list_groups(engine: DbEngine, f: GroupFilter, *, limit: int = 50, afte
 
 
 def mean_std(values: list[float]) -> tuple[float, float] | None:
-    """Population mean and standard deviation of finite floats, finite for any finite input: computed on the
-    values divided by the largest magnitude (1e155 squared, or 1e308 + 1e308, would overflow), then scaled
-    back (both are at most that magnitude). None for no value; non-finite values are left out."""
+    """Population mean and standard deviation of floats, finite for any finite input (1e155 squared, or 1e308
+    + 1e308, would overflow): the mean from an exact sum (`fsum`), else from the values divided by the largest
+    magnitude; the spread from the deviations (halved where a deviation overflows), scaled by the largest one.
+    None for no value; non-finite values are left out."""
     xs = [x for x in values if math.isfinite(x)]
     if not xs:
         return None
-    scale = max(abs(x) for x in xs)
-    if scale == 0.0:
-        return 0.0, 0.0
-    ys = [x / scale for x in xs]
-    m = math.fsum(ys) / len(ys)
-    var = math.fsum((y - m) * (y - m) for y in ys) / len(ys)
-    return m * scale, math.sqrt(var) * scale
+    n = len(xs)
+    try:
+        total = math.fsum(xs)
+    except OverflowError:
+        total = math.inf
+    if math.isfinite(total):
+        mean = total / n
+    else:
+        scale = max(abs(x) for x in xs)
+        mean = math.fsum(x / scale for x in xs) / n * scale
+    devs = [x - mean for x in xs]
+    half = not all(math.isfinite(d) for d in devs)
+    if half:
+        devs = [x / 2 - mean / 2 for x in xs]
+    top = max(abs(d) for d in devs)
+    if top == 0.0:
+        return mean, 0.0
+    std = math.sqrt(math.fsum((d / top) ** 2 for d in devs) / n) * top
+    return mean, min(std * 2 if half else std, sys.float_info.max)
 
 
 async def mark_lapsed(conn: Any, groups: list[dict[str, Any]]) -> None:
-    """`lease` on each leased group: "held" while its batch's lease runs, "lapsed" once it expired (the trainer
-    is gone or late; the gateway returns the group to the queue at the next lease, a viewer never writes),
-    with the lease's `lease_expires_at`."""
+    """`lease` on each leased group: "held" while its batch's lease runs, "lapsed" once it expired or closed
+    (the trainer is gone or late; the gateway returns the group to the queue at the next lease, a viewer never
+    writes), with the lease's `lease_expires_at`."""
     leased = [g for g in groups if g.get("state") == "leased"]
     if not leased:
         return
     ids = {g["id"] for g in leased}
-    found = (await conn.execute(select(G.c.id, B.c.expires_at).select_from(G.join(B, B.c.id == G.c.batch_id))
-                                .where(G.c.id.in_(ids)))).all()
-    expiry = {str(gid): float(at) for gid, at in found}
+    found = (await conn.execute(select(G.c.id, B.c.expires_at, B.c.state)
+                                .select_from(G.join(B, B.c.id == G.c.batch_id)).where(G.c.id.in_(ids)))).all()
+    expiry = {str(gid): (float(at), str(state)) for gid, at, state in found}
     now = time.time()
     for g in leased:
-        at = expiry.get(g["id"])
-        g["lease"] = "lapsed" if at is None or at <= now else "held"
+        at, state = expiry.get(g["id"], (None, None))
+        g["lease"] = "held" if state == "leased" and at is not None and at > now else "lapsed"
         g["lease_expires_at"] = at
 
 

@@ -70,12 +70,14 @@ def test_overview_shows_the_store(admin_page: Any, run: tuple[LiveGateway, Fille
 def test_groups_filter_and_pagination(admin_page: Any, run: tuple[LiveGateway, Filled, FakeSGLang], shots: Path) -> None:
     gw, filled, _ = run
     page = admin_page
-    total = db(gw, "SELECT count(*) FROM groups")[0][0]
+    # The page opens on training groups (issue 28: eval groups are behind the Kind filter).
+    total = db(gw, "SELECT count(*) FROM groups WHERE NOT is_eval")[0][0]
+    assert total < db(gw, "SELECT count(*) FROM groups")[0][0]
     page.goto(f"{gw.url}/ui/groups?limit=10")
     assert page.inner_text("#groups-total") == f"{total} match"
     seen: list[str] = []
     first = page.eval_on_selector_all("tr.group-row", "rs => rs.map(r => r.dataset.group)")
-    newest = [r[0] for r in db(gw, "SELECT id FROM groups ORDER BY created_at DESC, id DESC LIMIT 10")]
+    newest = [r[0] for r in db(gw, "SELECT id FROM groups WHERE NOT is_eval ORDER BY created_at DESC, id DESC LIMIT 10")]
     assert first == newest
     seen += first
     while page.locator("#page-next").count():
@@ -89,7 +91,7 @@ def test_groups_filter_and_pagination(admin_page: Any, run: tuple[LiveGateway, F
         len(seen) % 10 != 0
     page.click("#page-last")
     page.wait_for_load_state()
-    oldest = [r[0] for r in db(gw, "SELECT id FROM groups ORDER BY created_at, id LIMIT 10")][::-1]
+    oldest = [r[0] for r in db(gw, "SELECT id FROM groups WHERE NOT is_eval ORDER BY created_at, id LIMIT 10")][::-1]
     assert page.eval_on_selector_all("tr.group-row", "rs => rs.map(r => r.dataset.group)") == oldest
 
     # Filters through the form: state, then a reward range, then task text.
@@ -101,7 +103,7 @@ def test_groups_filter_and_pagination(admin_page: Any, run: tuple[LiveGateway, F
     page.goto(f"{gw.url}/ui/groups?reward_min=0.6&reward_max=1")
     rows = page.eval_on_selector_all("tr.group-row", "rs => rs.map(r => r.dataset.group)")
     expected = {r[0] for r in db(gw, "SELECT g.id FROM groups g JOIN sessions s ON s.group_id = g.id "
-                                      "WHERE s.reward IS NOT NULL GROUP BY g.id HAVING avg(s.reward) BETWEEN 0.6 AND 1")}
+                                      "WHERE s.reward IS NOT NULL AND NOT g.is_eval GROUP BY g.id HAVING avg(s.reward) BETWEEN 0.6 AND 1")}
     assert set(rows) == expected and filled.zero_var_group in expected
     page.goto(f"{gw.url}/ui/groups?q=17%2B25")
     assert page.eval_on_selector_all("tr.group-row", "rs => rs.map(r => r.dataset.group)") == [filled.spread_group]
