@@ -156,6 +156,8 @@ async def overview(state: Any) -> dict[str, Any]:
             select(TR.c.version, func.avg(sql_cast(TR.c.loss_tokens, Float)), func.count())
             .group_by(TR.c.version).order_by(TR.c.version))).all()]
         lease_page = await leases(conn, now)
+        queued = int((await conn.execute(select(func.count()).where(G.c.state == "complete",
+                                                                    G.c.is_eval.is_(False)))).scalar_one())
     steps = await store.training_steps(limit=10_000)
     pool = getattr(state, "pool", None)
     backends = [{"id": b.id, "url": b.url, "healthy": b.healthy, "in_flight": b.in_flight,
@@ -173,5 +175,5 @@ async def overview(state: Any) -> dict[str, Any]:
         "steps": [{"version": s["version"], "step": s["step"], "created_at": s["created_at"],
                    "metrics": s["metrics"]} for s in steps],
         "backends": backends,
-        "lease_queue": {"complete": states.get("complete", 0), "leased": states.get("leased", 0), **lease_page},
+        "lease_queue": {"complete": queued, "leased": states.get("leased", 0), **lease_page},
     }
