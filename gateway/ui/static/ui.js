@@ -65,8 +65,9 @@ const UI = (() => {
     if (v === 0 || !Number.isFinite(v)) return String(v);
     const a = Math.abs(v);
     if (a >= 1e-3 && a < 1e6 && !(step > 0 && step < a * 1e-4)) return fmt(v, 4);
-    const digits = step > 0 ? Math.min(17, Math.max(3, Math.ceil(Math.log10(a / step)) + 2)) : 3;
-    return v.toPrecision(digits).replace(/\.?0+e/, "e");
+    const digits = step > 0 ? Math.min(17, Math.max(1, Math.ceil(Math.log10(a / step)) + 2)) : 3;
+    if (a >= 1e-3 && a < 1e17) return v.toPrecision(digits).replace(/(\.\d*?)0+$/, "$1").replace(/\.$/, "");
+    return v.toExponential(digits - 1).replace(/\.?0+e/, "e");
   }
   function quantile(sorted, q) {
     const i = (sorted.length - 1) * q, lo = Math.floor(i), hi = Math.ceil(i);
@@ -74,13 +75,15 @@ const UI = (() => {
   }
   /** The y range: every point's, or with `robust` (TensorBoard's "ignore outliers in chart scaling") the 5th to
    *  95th percentile widened by a quarter of that span on each side, never past the data: points outside are
-   *  drawn as marks on the edge, their values in their tooltips. */
+   *  drawn as marks on the edge, their values in their tooltips. Only where that gains a third of the height
+   *  or more: a falling loss keeps its first steps in view. */
   function yRange(ys, robust) {
     let y0 = Math.min(...ys), y1 = Math.max(...ys);
     if (robust && ys.length >= 8) {
       const s = [...ys].sort((a, b) => a - b), lo = quantile(s, 0.05), hi = quantile(s, 0.95);
       const pad = (hi / 2 - lo / 2) / 2;  // a quarter of hi - lo, overflow-safe
-      if (hi > lo) { y0 = Math.max(y0, lo - pad); y1 = Math.min(y1, hi + pad); }
+      const a = Math.max(y0, lo - pad), b = Math.min(y1, hi + pad);
+      if (hi > lo && (y1 / 2 - y0 / 2) > 1.5 * (b / 2 - a / 2)) { y0 = a; y1 = b; }
     }
     return [y0, y1];
   }
@@ -124,7 +127,8 @@ const UI = (() => {
       svg.appendChild(svgEl("line", {x1: L, x2: W - R, y1: Y(v), y2: Y(v), class: "grid"}));
       svg.appendChild(svgEl("text", {x: L - 4, y: Y(v) + 3, "text-anchor": "end"}, tickLabel(v, ys)));
     }
-    for (const v of xt) svg.appendChild(svgEl("text", {x: X(v), y: H - 16, "text-anchor": "middle"}, opts.xTime ? clock(v).slice(0, 5) : tickLabel(v, xs)));
+    const short = x1 - x0 < 600;  // a run of minutes: its ticks need seconds
+    for (const v of xt) svg.appendChild(svgEl("text", {x: X(v), y: H - 16, "text-anchor": "middle"}, opts.xTime ? (short ? clock(v) : clock(v).slice(0, 5)) : tickLabel(v, xs)));
     svg.appendChild(svgEl("text", {x: W - R, y: H - 3, "text-anchor": "end", class: "xlabel"}, opts.xLabel || (opts.xTime ? "wall clock (local time)" : "")));
     svg.appendChild(svgEl("line", {x1: L, x2: L, y1: T, y2: H - B, class: "axis"}));
     svg.appendChild(svgEl("line", {x1: L, x2: W - R, y1: H - B, y2: H - B, class: "axis"}));
