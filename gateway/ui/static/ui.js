@@ -30,6 +30,8 @@ const UI = (() => {
   }
   const fmt = (v, d = 3) => v === null || v === undefined || Number.isNaN(v) ? "–" :
     (typeof v === "number" ? (Math.abs(v) >= 1e15 ? v.toPrecision(Math.max(d, 6)) : Math.abs(v) >= 1e4 ? Math.round(v).toLocaleString() : +v.toPrecision(d) + "") : String(v));
+  /** "1 turn", "2 turns". */
+  const plural = (n, w) => `${n} ${w}${n === 1 ? "" : "s"}`;
   const el = (tag, attrs = {}, text) => {
     const e = document.createElement(tag);
     for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
@@ -269,7 +271,6 @@ const UI = (() => {
 
   function leaseTable(q, now) {
     const ago = s => s < 90 ? `${Math.round(s)} s` : s < 5400 ? `${Math.round(s / 60)} min` : `${(s / 3600).toFixed(1)} h`;
-    const plural = (n, w) => `${n} ${w}${n === 1 ? "" : "s"}`;
     const seen = q.trainer_last_seen === null ? "never" : `${ago(now - q.trainer_last_seen)} ago`;
     document.getElementById("queue").textContent =
       `${plural(q.complete, "complete group")} wait for a trainer; ${q.leased} leased in ${plural(q.held, "held lease")}` +
@@ -315,13 +316,13 @@ const UI = (() => {
       lineChart($("chart-versions"), [{name: "version", step: true, points: d.versions.map(v => [v.published_at, v.version])}], {xTime: true, empty: "no publish yet"});
       const metric = name => d.steps.filter(s => typeof s.metrics[name] === "number").map(s => [s.step, s.metrics[name], `v${s.version}`]);
       lineChart($("chart-train-step"), [{name: "reward_mean", points: metric("reward_mean")}], {xLabel: "trainer step", empty: "no trainer step reported yet"});
-      const tc = d.train_reward_by_clock.map(p => [p.t, p.mean, `${p.sessions} sessions`]);
+      const tc = d.train_reward_by_clock.map(p => [p.t, p.mean, plural(p.sessions, "session")]);
       lineChart($("chart-train-clock"), [{name: "bucket mean", dots: true, points: tc, color: "#9aa6b8"}, {name: "EMA (α 0.3)", points: ema(tc)}], {xTime: true});
-      lineChart($("chart-train-version"), [{name: "mean reward", points: d.train_reward_by_version.map(p => [p.version, p.mean, `${p.sessions} sessions`])}], {xLabel: "weight version", empty: "no trained group yet"});
+      lineChart($("chart-train-version"), [{name: "mean reward", points: d.train_reward_by_version.map(p => [p.version, p.mean, plural(p.sessions, "session")])}], {xLabel: "weight version", empty: "no trained group yet"});
       const ev = Object.entries(d.eval_by_version).filter(([k]) => k !== "unknown").map(([k, v]) => [+k, v]).sort((a, b) => a[0] - b[0]);
-      lineChart($("chart-eval-version"), [{name: "mean", points: ev.map(([k, v]) => [k, v.mean_reward, `${v.groups} groups`])},
+      lineChart($("chart-eval-version"), [{name: "mean", points: ev.map(([k, v]) => [k, v.mean_reward, plural(v.groups, "group")])},
         {name: "pass@k", points: ev.map(([k, v]) => [k, v.pass_at_k])}], {xLabel: "eval_version", empty: "no eval group with an eval_version yet"});
-      const er = d.eval_by_clock.map(p => ({...p, label: `${p.version === null ? "no eval_version" : "eval_version " + p.version} · ${p.groups} groups, ${p.sessions} sessions`}));
+      const er = d.eval_by_clock.map(p => ({...p, label: `${p.version === null ? "no eval_version" : "eval_version " + p.version} · ${plural(p.groups, "group")}, ${plural(p.sessions, "session")}`}));
       lineChart($("chart-eval-clock"), [{name: "mean", points: er.map(p => [p.t, p.mean, p.label])},
         {name: "pass@k", points: er.map(p => [p.t, p.pass_at_k, p.label])}], {xTime: true, empty: "no eval group yet"});
       lineChart($("chart-throughput"), [{name: "sessions/s", points: d.throughput.map(p => [p.t, p.per_s])}], {xTime: true, yMin: 0, robust: true});
@@ -332,7 +333,7 @@ const UI = (() => {
         lineChart($(id), names.map(n => ({name: n, points: metric(n)})), {xLabel: "trainer step", robust: true, empty: `the trainer reported no ${names[0]} yet`});
       }
       const stepOf = new Map(d.steps.map(s => [s.version, s.step]));
-      lineChart($("chart-length"), [{name: "loss tokens / session", points: d.response_length.filter(p => stepOf.has(p.version)).map(p => [stepOf.get(p.version), p.mean, `v${p.version}, ${p.sessions} sessions`])}],
+      lineChart($("chart-length"), [{name: "loss tokens / session", points: d.response_length.filter(p => stepOf.has(p.version)).map(p => [stepOf.get(p.version), p.mean, `v${p.version}, ${plural(p.sessions, "session")}`])}],
         {xLabel: "trainer step", robust: true, empty: "no trained session reported yet"});
       lineChart($("chart-staleness"), ["staleness_max", "staleness_mean"].map(k => ({name: k, points: metric(k)})), {xLabel: "trainer step", empty: "the trainer reported no staleness yet", yMin: 0, robust: true});
       const bt = document.querySelector("#backends tbody");
