@@ -250,7 +250,7 @@ def test_session_key_sees_only_its_session(browser: Any, run: tuple[LiveGateway,
             r = page.goto(gw.url + path)
             assert r.status == 403, path
         for path in (f"/ui/api/sessions/{other}", f"/ui/api/sessions/{other}/tokens",
-                     f"/ui/api/sessions/{other}/summary", "/ui/api/overview", "/ui/api/groups"):
+                     f"/ui/api/sessions/{other}/summary", "/ui/api/overview", "/ui/api/groups", "/ui/api/leases"):
             r = page.request.get(gw.url + path)
             assert r.status == 403, path
         assert page.request.get(f"{gw.url}/ui/api/sessions/{own}/tokens").status == 200
@@ -260,6 +260,7 @@ def test_session_key_sees_only_its_session(browser: Any, run: tuple[LiveGateway,
     anon = httpx.Client(base_url=gw.url)
     assert anon.get("/ui/groups", headers={"Accept": "text/html"}).status_code == 303
     assert anon.get("/ui/api/groups").status_code == 401
+    assert anon.get("/ui/api/leases").status_code == 401
 
 
 def test_export_json_is_the_session_record(admin_page: Any, run: tuple[LiveGateway, Filled, FakeSGLang]) -> None:

@@ -275,7 +275,8 @@ const UI = (() => {
     document.getElementById("queue").textContent =
       `${plural(q.complete, "complete group")} wait for a trainer; ${q.leased} leased in ${plural(q.held, "held lease")}` +
       (q.lapsed ? `, ${plural(q.lapsed, "lapsed lease")} (expired: the gateway returns their groups to the queue at the next lease)` : "") +
-      `. Trainer last seen (lease, publish or step report): ${seen}.`;
+      `. Trainer last seen (lease, publish or step report): ${seen}.` +
+      (q.view_only ? " This is rollway view over a stored run: no trainer talks to it, and nothing here renews a lease." : "");
     document.querySelector("#leases tbody").replaceChildren(...(q.leases.length ? q.leases.map(l => {
       const tr = el("tr", {"data-lease": l.id, class: "lease-" + l.status});
       const when = l.status === "held" ? `held, expires in ${ago(l.expires_at - now)}` : `lapsed ${ago(now - l.expires_at)} ago`;
@@ -295,7 +296,7 @@ const UI = (() => {
   async function showLeases(offset) {
     leaseOffset = offset;
     const d = await getJSON(`/ui/api/leases?offset=${offset}`);
-    leaseTable({...d, complete: lastQueue.complete, leased: lastQueue.leased}, d.now);
+    leaseTable({...d, complete: lastQueue.complete, leased: lastQueue.leased, view_only: lastQueue.view_only}, d.now);
   }
   let lastQueue = {complete: 0, leased: 0};
 
@@ -343,8 +344,8 @@ const UI = (() => {
         tr.children[2].className = b.healthy ? "good" : "error";
         return tr;
       }) : [(() => { const tr = el("tr"); tr.appendChild(el("td", {colspan: 5, class: "empty"}, "no backend (a viewer over a finished store)")); return tr; })()]));
-      lastQueue = d.lease_queue;
-      if (leaseOffset === 0) leaseTable(d.lease_queue, d.now);
+      lastQueue = {...d.lease_queue, view_only: d.view_only};
+      if (leaseOffset === 0) leaseTable({...d.lease_queue, view_only: d.view_only}, d.now);
     }, 5000);
   }
 
