@@ -82,6 +82,7 @@ def run(tiny_model_dir: Path, sqlite_url: str, tmp_path_factory: pytest.TempPath
     with FakeSGLang(vocab=range(100, 1000)) as fake, \
             LiveGateway(backends=[fake.url], tokenizer=str(tiny_model_dir), db=sqlite_url) as gw:
         _fill(gw, fake, tok, tmp_path_factory.mktemp("ckpt"))
+        gw.fake, gw.tok = fake, tok  # type: ignore[attr-defined]  # for the lease test's groups
         yield gw
 
 
@@ -210,6 +211,42 @@ def test_leases_and_queue_line(overview: Any) -> None:
     text = overview.inner_text("#queue")  # eval groups (7 complete here) never wait for a trainer
     assert text.startswith("0 complete groups wait for a trainer; 0 leased in 0 held leases."), text
     assert "Trainer last seen (lease, publish or step report):" in text and "never" not in text
+
+
+def test_lease_table_lapsed_and_paged(overview: Any, run: LiveGateway, shots: Path) -> None:
+    """Issue 28 item 6: leases read "expiring in 210 s" after the trainer was gone, and every lease ever made was
+    listed. 11 leases, the 10 oldest of 6 s: once they lapse they say so, newest first, 10 a page."""
+    page, gw = overview, run
+    fake, tok = gw.fake, gw.tok  # type: ignore[attr-defined]
+    for i in range(11):
+        g = gw.group(1, task={"prompt": f"lease {i}"})
+        _turn(gw, fake, tok, g["sessions"][0], 2)
+        _reward(gw, g["sessions"][0], 1.0)
+    t0 = time.time()  # a lease call after the short ones lapsed would expire them (state expired): all first
+    ids = []
+    for i in range(11):
+        ids.append(gw.admin.post("/v1/batches", json={"max_groups": 1, "lease_seconds": 6 if i < 10 else 600}).json()["batch_id"])
+        if i == 9:
+            t_last = time.time()  # the last short lease
+    assert time.time() - t0 < 6, "the leases took longer than the short ones last"
+    time.sleep(max(0.0, t_last + 6.3 - time.time()))
+    gw.app.state.ui_overview = None
+    page.reload()
+    page.wait_for_selector("#leases tr.lease-lapsed")
+    rows = page.locator("#leases tbody tr")
+    assert rows.count() == 10
+    assert page.eval_on_selector_all("#leases tbody tr", "rs => rs.map(r => r.dataset.lease)") == ids[:0:-1]
+    assert rows.nth(0).inner_text().endswith("held, expires in 10 min")
+    assert all(" ago" in rows.nth(i).inner_text() and "lapsed" in rows.nth(i).inner_text() for i in range(1, 10))
+    assert "1 held lease, 10 lapsed leases" in page.inner_text("#queue")
+    assert "1–10 of 11" in page.inner_text("#lease-pager")
+    page.locator("#leases").scroll_into_view_if_needed()
+    page.locator(".two").screenshot(path=str(shots / "overview-leases.png"))
+    page.click("#leases-older")
+    page.wait_for_selector(f"#leases tbody tr[data-lease='{ids[0]}']")
+    assert page.locator("#leases tbody tr").count() == 1 and "lapsed" in page.inner_text("#leases tbody")
+    page.click("#leases-newer")
+    page.wait_for_selector(f"#leases tbody tr[data-lease='{ids[-1]}']")
 
 
 @pytest.fixture(scope="module")

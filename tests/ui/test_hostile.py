@@ -149,7 +149,7 @@ def test_leases_held_lapsed_and_paged(gw: tuple[LiveGateway, FakeSGLang, Any]) -
     g, fake, tok = gw
     while (r := g.admin.post("/v1/batches", json={"max_groups": 4096})).json()["batch_id"]:  # earlier tests' groups
         g.admin.post(f"/v1/batches/{r.json()['batch_id']}/ack", json={})  # dropped as filtered
-    # Fresh groups leased one a batch (oldest complete first): 11 leases of 4 s that lapse (no trainer renews
+    # Fresh groups leased one a batch (oldest complete first): 11 leases of 6 s that lapse (no trainer renews
     # them; no later lease call expires them either), then 1 held.
     made = []
     for i in range(12):
@@ -158,11 +158,14 @@ def test_leases_held_lapsed_and_paged(gw: tuple[LiveGateway, FakeSGLang, Any]) -
         g.admin.post(f"/v1/sessions/{grp['sessions'][0]['session_id']}/reward", json={"reward": 1.0, "finish": True})
         made.append(grp["group_id"])
     batches = []
+    t_last = t0 = time.time()  # a lease call after the short ones lapsed would expire them (state expired): all first
     for i in range(12):
-        lease = g.admin.post("/v1/batches", json={"max_groups": 1, "lease_seconds": 4 if i < 11 else 600}).json()
+        lease = g.admin.post("/v1/batches", json={"max_groups": 1, "lease_seconds": 6 if i < 11 else 600}).json()
         assert lease["groups"][0]["group_id"] == made[i], lease
         batches.append((lease["batch_id"], made[i]))
-    time.sleep(4.2)
+        t_last = time.time() if i == 10 else t_last  # the last short lease
+    assert time.time() - t0 < 6, "the leases took longer than the short ones last"
+    time.sleep(max(0.0, t_last + 6.3 - time.time()))
     d = fresh_overview(g)
     q = d["lease_queue"]
     assert q["total"] == 12 and q["held"] == 1 and q["lapsed"] == 11
