@@ -209,7 +209,7 @@ def test_hover_shows_values_and_drag_zooms(overview: Any, run: LiveGateway) -> N
 def test_leases_and_queue_line(overview: Any) -> None:
     """Counts in words with their plurals; the trainer's last sign of life in the store."""
     text = overview.inner_text("#queue")  # eval groups (7 complete here) never wait for a trainer
-    assert text.startswith("0 complete groups wait for a trainer; 0 leased in 0 held leases."), text
+    assert text.startswith("0 complete groups wait for a trainer; 0 groups leased: 0 held leases."), text
     assert "Trainer last seen (lease, publish or step report):" in text and "never" not in text
 
 
@@ -238,7 +238,7 @@ def test_lease_table_lapsed_and_paged(overview: Any, run: LiveGateway, shots: Pa
     assert page.eval_on_selector_all("#leases tbody tr", "rs => rs.map(r => r.dataset.lease)") == ids[:0:-1]
     assert rows.nth(0).inner_text().endswith("held, expires in 10 min")
     assert all(" ago" in rows.nth(i).inner_text() and "lapsed" in rows.nth(i).inner_text() for i in range(1, 10))
-    assert "1 held lease, 10 lapsed leases" in page.inner_text("#queue")
+    assert "11 groups leased: 1 held lease, 10 lapsed leases" in page.inner_text("#queue")
     assert "1–10 of 11" in page.inner_text("#lease-pager")
     page.locator("#leases").scroll_into_view_if_needed()
     page.locator(".two").screenshot(path=str(shots / "overview-leases.png"))

@@ -273,7 +273,7 @@ const UI = (() => {
     const ago = s => s < 90 ? `${Math.round(s)} s` : s < 5400 ? `${Math.round(s / 60)} min` : `${(s / 3600).toFixed(1)} h`;
     const seen = q.trainer_last_seen === null ? "never" : `${ago(now - q.trainer_last_seen)} ago`;
     document.getElementById("queue").textContent =
-      `${plural(q.complete, "complete group")} wait for a trainer; ${q.leased} leased in ${plural(q.held, "held lease")}` +
+      `${plural(q.complete, "complete group")} wait for a trainer; ${plural(q.leased, "group")} leased: ${plural(q.held, "held lease")}` +
       (q.lapsed ? `, ${plural(q.lapsed, "lapsed lease")} (expired: the gateway returns their groups to the queue at the next lease)` : "") +
       `. Trainer last seen (lease, publish or step report): ${seen}.` +
       (q.view_only ? " This is rollway view over a stored run: no trainer talks to it, and nothing here renews a lease." : "");
