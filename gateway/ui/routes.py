@@ -60,7 +60,9 @@ def _fmt(value: Any, digits: int = 3) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        return "–" if not math.isfinite(value) else f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
+        if not math.isfinite(value):
+            return "–"
+        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}" if abs(value) < 1e15 else f"{value:.6g}"
     return str(value)
 
 

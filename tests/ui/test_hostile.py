@@ -80,6 +80,8 @@ def test_huge_rewards_in_a_group_never_500(gw: tuple[LiveGateway, FakeSGLang, An
                  "/ui/groups?reward_min=0&reward_max=1e300", f"/ui/search?q={a['group_id'][:8]}", "/ui"):
         r = g.admin.get(path, headers={"Accept": "text/html"})
         assert r.status_code == 200, (path, r.status_code, r.text[:300])
+    page = g.admin.get(f"/ui/groups/{a['group_id']}", headers={"Accept": "text/html"}).text
+    assert "1e+155" in page and "5e+154" in page  # the reward and the mean, short
     one = g.admin.get(f"/ui/api/groups/{a['group_id']}").json()
     assert one["reward_mean"] == pytest.approx(5e154) and one["reward_std"] == pytest.approx(5e154)
     two = g.admin.get(f"/ui/api/groups/{b['group_id']}").json()
