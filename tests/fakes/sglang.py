@@ -44,6 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from rollway.json_schema_check import unsupported_reason
 from tests.fakes.serve import ServerThread, serve_forever
 from tests.fakes.sglang_gen import Generation, abort_finish, bad, cached_prefix, event, render, step, validate
 
@@ -108,6 +109,7 @@ class FakeSGLang:
         self._scripts: deque[list[int]] = deque()
         self._failures: deque[int] = deque()
         self._stream_failures: deque[tuple[int, str | None]] = deque()
+        self._status_aborts: deque[tuple[str, int]] = deque()
         self._gens: dict[str, Generation] = {}
         self._history: deque[list[int]] = deque(maxlen=256)
         self._draws = 0
@@ -166,6 +168,12 @@ class FakeSGLang:
         `{"error": {"message"}}` event, or with message=None by dropping the connection."""
         self._stream_failures.append((after_tokens, message))
 
+    def abort_next(self, message: str, status: int = 400) -> None:
+        """Finish the next /generate at once with SGLang's `FINISH_ABORT(message, status)` (a grammar xgrammar does
+        not compile: 400; a failed step: 500): a streamed call gets HTTP 200 and one chunk carrying it, a
+        non-streamed one the status (`TokenizerManager._handle_abort_finish_reason`)."""
+        self._status_aborts.append((message, status))
+
     def start(self) -> FakeSGLang:
         self._server.start()
         return self
@@ -198,10 +206,19 @@ class FakeSGLang:
             status = self._failures.popleft()
             return JSONResponse({"error": {"message": f"fake: injected failure {status}"}}, status)
         error = validate(payload, self.context_length, self.max_req_input_len, self.legacy)
-        if error is None:
-            error = grammar_error(payload.get("sampling_params") or {})
         if error is not None:
             return error
+        found = grammar_error(payload.get("sampling_params") or {})
+        if found is None and self._status_aborts:
+            message, status = self._status_aborts.popleft()
+            if not payload.get("stream"):
+                return JSONResponse({"error": {"message": message}}, status)
+            found = (message, "compile")
+        if found is not None:
+            message, stage = found
+            if payload.get("stream") and stage != "contract":
+                return StreamingResponse(grammar_stream(payload, message, stage), media_type="text/event-stream")
+            return bad(message)
         lora = payload.get("lora_path")
         if lora is not None and (not self.enable_lora or lora not in self.loras):
             message = (f"The following requested LoRA adapters are not loaded: {lora}\nLoaded adapters: "
@@ -472,16 +489,19 @@ class FakeSGLang:
         return Response(status_code=200 if self.healthy else 503)
 
 
-def grammar_error(sp: dict[str, Any]) -> Response | None:
-    """SGLang's checks of the grammar keys (docs/sglang-contract.md "Constrained decoding"): at most one of
-    json_schema, regex, ebnf; each a string; JSON where it must be (the fake compiles nothing and constrains
-    nothing: scripts decide what comes out)."""
-    given = [k for k in ("json_schema", "regex", "ebnf") if sp.get(k) is not None]
-    if len(given) > 1:
-        return bad("Only one of regex, json_schema, or ebnf can be set.")
+def grammar_error(sp: dict[str, Any]) -> tuple[str, str] | None:
+    """SGLang's checks of the grammar keys (docs/sglang-contract.md "Constrained decoding") as (message, stage),
+    by where SGLang 0.5.23 makes them: "contract" (`api_contract.generate_contract_error`: each key a string; a 400
+    before anything runs), "verify" (`SamplingParams.verify` in the tokenizer manager: at most one of json_schema,
+    regex, ebnf), "compile" (the scheduler's grammar manager: JSON that does not parse, a structural tag of neither
+    form, a json_schema xgrammar would not enforce, `validate_xgrammar_json_schema`). The fake compiles nothing and
+    constrains nothing: scripts decide what comes out."""
     for key in ("json_schema", "regex", "ebnf", "structural_tag"):
         if sp.get(key) is not None and not isinstance(sp[key], str):
-            return bad(f"{key} must be a string")
+            return f"{key} must be a string", "contract"
+    given = [k for k in ("json_schema", "regex", "ebnf") if sp.get(k) is not None]
+    if len(given) > 1:
+        return "Only one of regex, json_schema, or ebnf can be set.", "verify"
     kind = {"json_schema": "json", "structural_tag": "structural_tag"}
     for key in ("json_schema", "structural_tag"):
         text = sp.get(key)
@@ -490,13 +510,30 @@ def grammar_error(sp: dict[str, Any]) -> Response | None:
         try:
             value = orjson.loads(text)
         except orjson.JSONDecodeError as e:
-            return bad(f"Failed to compile {kind[key]} grammar: {e}")
+            return f"Failed to compile {kind[key]} grammar: {e}", "compile"
+        if key == "json_schema" and (reason := unsupported_reason(value)) is not None:
+            return f"Failed to compile json grammar: {reason}", "compile"
         if key == "structural_tag" and not (
             isinstance(value, dict)
             and (isinstance(value.get("format"), dict) or ("structures" in value and "triggers" in value))
         ):
-            return bad("Failed to compile structural_tag grammar: needs 'format' or 'structures' and 'triggers'")
+            return "Failed to compile structural_tag grammar: needs 'format' or 'structures' and 'triggers'", "compile"
     return None
+
+
+async def grammar_stream(payload: dict[str, Any], message: str, stage: str) -> AsyncIterator[bytes]:
+    """A streamed call's grammar error, as SGLang streams it with HTTP 200: the tokenizer manager's ValueError as
+    an `error` event (`http_server.serve_generate_request`), a compile failure as one chunk finishing with an abort
+    that carries status 400 (`Req.set_finish_with_abort`: no tokens, no logprobs)."""
+    if stage == "verify":
+        yield event({"error": {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}})
+    else:
+        finish = {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"}
+        meta = {"id": payload.get("rid") or uuid.uuid4().hex, "finish_reason": finish,
+                "prompt_tokens": len(payload.get("input_ids") or []), "completion_tokens": 0, "cached_tokens": 0,
+                "e2e_latency": 0.0}
+        yield event({"text": "", "output_ids": [], "meta_info": meta})
+    yield b"data: [DONE]\n\n"
 
 
 async def _until(condition: Callable[[], bool]) -> None:
