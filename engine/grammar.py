@@ -58,17 +58,17 @@ OPTIONS = '%llguidance {"no_forcing": true}'
 
 
 def grammar_key(params: SamplingParams) -> tuple[str, str] | None:
-    """(kind, text) of a request's grammar in SGLang's precedence (json_schema, regex, ebnf, structural_tag);
-    more than one of the first three is refused, as SGLang's `SamplingParams.verify` does."""
-    given = [(k, v) for k, v in (("json", params.json_schema), ("regex", params.regex), ("ebnf", params.ebnf))
-             if v is not None]
+    """(kind, text) of a request's grammar; more than one of json_schema, regex, ebnf and structural_tag is refused,
+    as SGLang 0.5.23's `SamplingParams.verify` (`srt/sampling/sampling_params.py`) refuses it."""
+    given = [(k, v) for k, v in (("json", params.json_schema), ("regex", params.regex), ("ebnf", params.ebnf),
+                                 ("structural_tag", params.structural_tag)) if v is not None]
     if len(given) > 1:
-        raise InvalidRequest("Only one of regex, json_schema, or ebnf can be set.")
-    if given:
-        return given[0]
-    if params.structural_tag is not None:
-        return ("structural_tag", params.structural_tag)
-    return None
+        raise InvalidRequest(EXCLUSIVE)
+    return given[0] if given else None
+
+
+EXCLUSIVE = "Only one of json_schema, regex, ebnf, or structural_tag can be set."
+"""SGLang 0.5.23's words (`SamplingParams.verify`)."""
 
 
 class GrammarError(InvalidRequest):

@@ -82,7 +82,9 @@ def test_ebnf_and_the_masked_logprobs(live_engine: LiveServer) -> None:
     ({"json_schema": "{not json"}, "Failed to compile json grammar"),
     ({"ebnf": "root ::= "}, "Failed to compile ebnf grammar"),
     ({"structural_tag": json.dumps({"type": "structural_tag"})}, "Failed to compile structural_tag grammar"),
-    ({"json_schema": "{}", "regex": "a"}, "Only one of regex, json_schema, or ebnf can be set."),
+    ({"json_schema": "{}", "regex": "a"}, "Only one of json_schema, regex, ebnf, or structural_tag can be set."),
+    ({"regex": "a", "structural_tag": json.dumps({"type": "structural_tag", "format": {"type": "any_text"}})},
+     "Only one of json_schema, regex, ebnf, or structural_tag can be set."),
 ])
 def test_bad_grammars_are_400s_in_sglangs_shape(live_engine: LiveServer, sampling: dict[str, Any], needle: str) -> None:
     r = asyncio.run(generate(live_engine.url, sampling, [5, 6]))

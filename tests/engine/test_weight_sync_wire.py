@@ -72,7 +72,7 @@ def test_an_unaligned_bucket_is_refused(served: tuple[LiveServer, Any]) -> None:
     """A bf16 tensor of odd size followed by a float32 one: SGLang's `empty` raises `Unaligned received tensor`."""
     server, _ = served
     port = free_port()
-    proc, out = start_trainer(port, "g-unaligned")  # joins and stays silent
+    proc, _ = start_trainer(port, "g-unaligned")  # joins and stays silent
     _init(server, port, "g-unaligned")
     body = {"names": ["model.norm.weight", "model.norm.weight"], "dtypes": ["bfloat16", "float32"],
             "shapes": [[3], [2]], "group_name": "g-unaligned", "load_format": "flattened_bucket"}
@@ -100,3 +100,27 @@ def test_the_trainer_sends_what_sglang_receives(tiny_model_dir: Path) -> None:
         torch.distributed.destroy_process_group(pg)
     assert out.get(timeout=60) == {"sent": len(buckets), "error": None}
     proc.join(30)
+
+
+def test_the_sender_broadcasts_uint8(monkeypatch: Any) -> None:
+    """NCCL, unlike gloo, needs both ends to name one dtype and count: the sender's tensor is SGLang's uint8 buffer."""
+    import trainer.weight_sync as ws
+
+    sent: list[torch.Tensor] = []
+
+    class Group:
+        def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+            sent.append(tensors[0])
+            return self
+
+        def wait(self) -> None:
+            pass
+
+    monkeypatch.setattr(ws, "init_custom_process_group", lambda *a, **k: Group())
+    state = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(3, dtype=torch.float32)}
+    buckets = buckets_of(state, 1 << 20)
+    sender = ws.Sender({"group_name": "g", "world_size": 2}, "127.0.0.1", 1, "gloo", 5.0, buckets).start()
+    sender.join(30)
+    assert sender.error is None and len(sent) == 1
+    assert sent[0].dtype == torch.uint8 and sent[0].numel() == 9 * 4
+    assert torch.equal(sent[0], sglang_flattened(list(state.items())))

@@ -491,17 +491,18 @@ class FakeSGLang:
 
 def grammar_error(sp: dict[str, Any]) -> tuple[str, str] | None:
     """SGLang's checks of the grammar keys (docs/sglang-contract.md "Constrained decoding") as (message, stage),
-    by where SGLang 0.5.23 makes them: "contract" (`api_contract.generate_contract_error`: each key a string; a 400
-    before anything runs), "verify" (`SamplingParams.verify` in the tokenizer manager: at most one of json_schema,
-    regex, ebnf), "compile" (the scheduler's grammar manager: JSON that does not parse, a structural tag of neither
-    form, a json_schema xgrammar would not enforce, `validate_xgrammar_json_schema`). The fake compiles nothing and
-    constrains nothing: scripts decide what comes out."""
+    by where SGLang 0.5.23 makes them: "contract" (`api_contract.generate_contract_error`: each key a string; a
+    400 before anything runs), "verify" (`SamplingParams.verify` in the tokenizer manager: at most one of
+    json_schema, regex, ebnf, structural_tag), "compile" (the scheduler's grammar manager: JSON that does not
+    parse, a structural tag of neither form, a json_schema xgrammar would not enforce,
+    `validate_xgrammar_json_schema`). The fake compiles nothing and constrains nothing: scripts decide what
+    comes out."""
     for key in ("json_schema", "regex", "ebnf", "structural_tag"):
         if sp.get(key) is not None and not isinstance(sp[key], str):
             return f"{key} must be a string", "contract"
-    given = [k for k in ("json_schema", "regex", "ebnf") if sp.get(k) is not None]
+    given = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if sp.get(k) is not None]
     if len(given) > 1:
-        return "Only one of regex, json_schema, or ebnf can be set.", "verify"
+        return "Only one of json_schema, regex, ebnf, or structural_tag can be set.", "verify"
     kind = {"json_schema": "json", "structural_tag": "structural_tag"}
     for key in ("json_schema", "structural_tag"):
         text = sp.get(key)
