@@ -120,6 +120,8 @@ class FakeSGLang:
         self.max_loaded_loras = max_loaded_loras
         self.loras: dict[str, str] = {}  # name -> path, least recently used first
         self._lora_of: dict[str, str] = {}  # rid -> the adapter it runs on (an unload waits for them)
+        self.lora_refs: dict[str, str] = {}  # every adapter ever loaded (SGLang's lora_ref_cache; a restart clears)
+        self.reloaded: list[str] = []  # adapters a /generate loaded again
         info = "/get_model_info" if legacy else "/model_info"
         server = "/get_server_info" if legacy else "/server_info"
         self._app = Starlette(
@@ -202,6 +204,7 @@ class FakeSGLang:
         except orjson.JSONDecodeError as e:
             return bad(f"invalid JSON: {e}")
         self.requests.append(payload)
+        record(request, payload)
         if self._failures:
             status = self._failures.popleft()
             return JSONResponse({"error": {"message": f"fake: injected failure {status}"}}, status)
@@ -220,10 +223,22 @@ class FakeSGLang:
                 return StreamingResponse(grammar_stream(payload, message, stage), media_type="text/event-stream")
             return bad(message)
         lora = payload.get("lora_path")
-        if lora is not None and (not self.enable_lora or lora not in self.loras):
-            message = (f"The following requested LoRA adapters are not loaded: {lora}\nLoaded adapters: "
-                       f"{list(self.loras)}." if self.enable_lora else "LoRA is not enabled.")
-            return JSONResponse({"error": {"message": message}}, 400)
+        if lora is not None and lora not in self.loras:
+            # SGLang 0.5.23's `TokenizerManager._resolve_lora_path`: a name loaded before is loaded again,
+            # silently (evicting the least recently used past the cap); one never loaded is refused.
+            if not self.enable_lora:
+                message = f"LoRA adapter '{lora}' was requested, but LoRA is not enabled."
+            elif lora not in self.lora_refs:
+                message = (f"Got LoRA adapter that has never been loaded: {lora}\n"
+                           f"All loaded adapters: dict_keys({list(self.lora_refs)}).")
+            else:
+                message = ""
+                self.loras[lora] = self.lora_refs[lora]
+                self.reloaded.append(lora)
+                while self.max_loaded_loras is not None and len(self.loras) > self.max_loaded_loras:
+                    self.loras.pop(next(n for n in self.loras if n != lora))
+            if message:
+                return JSONResponse({"error": {"message": message}}, 400)
         if lora is not None:
             self.loras[lora] = self.loras.pop(lora)  # a use (LRU)
             self._lora_of[str(payload.get("rid"))] = lora
@@ -336,9 +351,12 @@ class FakeSGLang:
         raw = await request.body()
         body: dict[str, Any] = orjson.loads(raw) if raw.strip() else {}
         self.calls.append((request.url.path, body))
+        record(request, body)
         return body
 
     def _abort_matching(self, prefix: str, abort_all: bool, message: str = "Aborted") -> None:
+        if not abort_all and prefix not in self._gens:
+            return  # SGLang's tokenizer manager drops an abort of a rid it does not hold (one tokenizer worker)
         for gen in list(self._gens.values()):
             if abort_all or (prefix and gen.rid.startswith(prefix)):
                 gen.abort_message = message if gen.started else "Abort in waiting queue"
@@ -447,6 +465,7 @@ class FakeSGLang:
             return self._lora_result(f"Failed to load LoRA adapter {name}: no adapter_config.json in {path!r}")
         await asyncio.sleep(self.load_delay)
         self.loras[name] = path
+        self.lora_refs[name] = path
         while self.max_loaded_loras is not None and len(self.loras) > self.max_loaded_loras:
             self.loras.pop(next(iter(self.loras)))  # SGLang unloads the least recently used one
         return self._lora_result()
@@ -535,6 +554,21 @@ async def grammar_stream(payload: dict[str, Any], message: str, stage: str) -> A
                 "e2e_latency": 0.0}
         yield event({"text": "", "output_ids": [], "meta_info": meta})
     yield b"data: [DONE]\n\n"
+
+
+RECORD_ENV = "ROLLWAY_RECORD_SGLANG"
+"""A file: every body a fake receives is appended to it as a JSON line {"path", "test", "agent", "body"}, for the
+conformance suite (tests/sglang_conformance), which checks them with SGLang's own request types."""
+
+
+def record(request: Request, body: Any) -> None:
+    target = os.environ.get(RECORD_ENV)
+    if not target:
+        return
+    line = {"path": request.url.path, "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+            "agent": request.headers.get("user-agent", ""), "body": body}
+    with open(target, "ab") as f:
+        f.write(orjson.dumps(line) + b"\n")
 
 
 async def _until(condition: Callable[[], bool]) -> None:
