@@ -11,6 +11,7 @@ tag, which SGLang does not check) is not.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import anthropic
@@ -165,3 +166,46 @@ def test_supported_schemas_pass() -> None:
                    {"type": "string", "minLength": 1, "maxLength": 3}, {"type": "integer", "minimum": 0},
                    {"type": "object", "properties": {"f": {"format": "date", "type": "integer", "pattern": "x"}}}):
         assert unsupported_reason(schema) is None, schema
+
+
+# -- seeds (item 6) and aborts by rid ------------------------------------------------------------------------
+
+
+def test_a_policy_seed_is_sent_as_sampling_seed(gateway: LiveGateway, fake: FakeSGLang) -> None:
+    """SGLang 0.5.23 honours `sampling_seed` only with --enable-deterministic-inference (docs/sglang-contract.md)."""
+    cred = gateway.group(2, sampling={"seed": 11})["sessions"][0]
+    gateway.openai(cred).chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+    assert fake.requests[-1]["sampling_params"]["sampling_seed"] == 11
+    cred = gateway.group(2, sampling={"allow_client_override": True})["sessions"][0]
+    gateway.openai(cred).chat.completions.create(model="m", messages=MESSAGES, max_tokens=2, seed=5, stream=True)
+    assert fake.requests[-1]["sampling_params"]["sampling_seed"] == 5
+
+
+def test_the_fake_aborts_only_a_rid_it_holds(fake: FakeSGLang) -> None:
+    """SGLang 0.5.23's `TokenizerManager.abort_request` (one tokenizer worker) drops an abort whose rid no request
+    has exactly; a held rid aborts every rid it prefixes (the scheduler's `startswith`)."""
+    import threading
+
+    fake.token_delay = 0.05
+    try:
+        answers: dict[str, Any] = {}
+
+        def run(rid: str) -> None:
+            answers[rid] = httpx.post(f"{fake.url}/generate", json={
+                "input_ids": [1, 2], "rid": rid, "sampling_params": {"max_new_tokens": 60}}, timeout=30).json()
+
+        threads = [threading.Thread(target=run, args=(rid,)) for rid in ("abc_0", "abc")]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while fake.running < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        httpx.post(f"{fake.url}/abort_request", json={"rid": "ab"}, timeout=10)  # held by none: dropped
+        time.sleep(0.2)
+        assert fake.running == 2
+        httpx.post(f"{fake.url}/abort_request", json={"rid": "abc"}, timeout=10)  # held: abc and abc_0 end
+        for t in threads:
+            t.join(30)
+        assert {r["meta_info"]["finish_reason"]["type"] for r in answers.values()} == {"abort"}
+    finally:
+        fake.token_delay = 0.0
