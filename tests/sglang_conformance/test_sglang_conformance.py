@@ -108,7 +108,7 @@ def compose_flags() -> list[str]:
     text = (ROOT / "docker-compose.yml").read_text()
     block = text[text.index("  sglang:"):]
     command = block[block.index("command:"):block.index("environment:")]
-    return sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", command)))
+    return sorted(set(re.findall(r"--[a-z][a-z0-9-]+", command)))
 
 
 def schemas(captured: list[dict[str, Any]]) -> list[Any]:
