@@ -291,7 +291,8 @@ def _in_use(scheduler: Any, adapter: Adapter) -> bool:
 
 
 async def _unload(engine: _EngineLike, name: str) -> dict[str, Any]:
-    """Unregister at once (new requests naming it get 400), then wait for the requests using it to end."""
+    """Unregister at once, then wait for the requests using it to end (a later /generate naming it loads it again,
+    as SGLang does: `LoRAManager._reload`)."""
     manager = engine.lora
     assert manager is not None
     adapter = manager.loaded.pop(name, None)

@@ -255,7 +255,7 @@ async def generate(engine: Engine, request: Request) -> Response:
     """SGLang's `POST /generate` (served by `GenerateRoute`, and by the app's route when called without it)."""
     body = await _json_body(request)
     call = parse_generate(body, engine.tokenizer, engine.context_length, engine.vocab_size)
-    select_adapter(engine.lora, body)  # lora_path: the adapter its rows use (400 when not loaded)
+    select_adapter(engine.lora, body)  # lora_path: the adapter its rows use (400 when never loaded)
     try:
         if grammar_key(call.specs[0].params) is not None:
             call = await asyncio.to_thread(engine.with_grammars, call)
