@@ -35,6 +35,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.sampling import InvalidRequest, SamplingParams
+from rollway.json_schema_check import unsupported_reason
 
 if TYPE_CHECKING:
     import llguidance
@@ -57,17 +58,23 @@ OPTIONS = '%llguidance {"no_forcing": true}'
 
 
 def grammar_key(params: SamplingParams) -> tuple[str, str] | None:
-    """(kind, text) of a request's grammar in SGLang's precedence (json_schema, regex, ebnf, structural_tag);
-    more than one of the first three is refused, as SGLang's `SamplingParams.verify` does."""
-    given = [(k, v) for k, v in (("json", params.json_schema), ("regex", params.regex), ("ebnf", params.ebnf))
-             if v is not None]
+    """(kind, text) of a request's grammar; more than one of json_schema, regex, ebnf and structural_tag is refused,
+    as SGLang 0.5.23's `SamplingParams.verify` (`srt/sampling/sampling_params.py`) refuses it."""
+    given = [(k, v) for k, v in (("json", params.json_schema), ("regex", params.regex), ("ebnf", params.ebnf),
+                                 ("structural_tag", params.structural_tag)) if v is not None]
     if len(given) > 1:
-        raise InvalidRequest("Only one of regex, json_schema, or ebnf can be set.")
-    if given:
-        return given[0]
-    if params.structural_tag is not None:
-        return ("structural_tag", params.structural_tag)
-    return None
+        raise InvalidRequest(EXCLUSIVE)
+    return given[0] if given else None
+
+
+EXCLUSIVE = "Only one of json_schema, regex, ebnf, or structural_tag can be set."
+"""SGLang 0.5.23's words (`SamplingParams.verify`)."""
+
+
+class GrammarError(InvalidRequest):
+    """A grammar that does not compile. SGLang finds out in its scheduler (`Req.set_finish_with_abort`): a
+    non-streamed call gets a 400, a streamed one a 200 stream whose one chunk finishes with an abort carrying
+    `status_code` 400 (engine/server.py `_grammar_abort`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +115,7 @@ class GrammarCompiler:
         try:
             compiled = self._compile(kind, text)
         except Exception as exc:  # ValueError, KeyError, TypeError, the converter's own: all the client's
-            raise InvalidRequest(f"Failed to compile {kind} grammar: {exc}") from exc
+            raise GrammarError(f"Failed to compile {kind} grammar: {exc}") from exc
         with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > CACHE_SIZE:
@@ -121,6 +128,9 @@ class GrammarCompiler:
         if kind == "json":
             # "$$ANY$$": an object or an array, as xgrammar's builtin JSON grammar (SGLang's) has it.
             schema: Any = {"type": ["object", "array"]} if text == ANY_JSON else json.loads(text)
+            reason = None if text == ANY_JSON else unsupported_reason(schema)
+            if reason is not None:  # SGLang 0.5.23 refuses what xgrammar would not enforce (dispatch_json)
+                raise ValueError(reason)
             lark = f"start: %json {json.dumps(_json_schema(schema))}"
         elif kind == "regex":
             lark = f"start: /{llguidance.regex_to_lark(text, 'dws')}/"  # \d \w \s ASCII, as xgrammar's

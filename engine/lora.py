@@ -121,6 +121,8 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.max_loaded = max_loaded
         self.loaded: OrderedDict[str, Adapter] = OrderedDict()
+        self.refs: dict[str, str] = {}
+        """Every adapter ever loaded, name -> folder, unloads included (SGLang's `TokenizerManager.lora_ref_cache`)."""
         self.rows = _Rows()
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -157,10 +159,26 @@ class LoRAManager:
             return None
         adapter = self.loaded.get(name)
         if adapter is None:
-            raise LoRAError(
-                f"The following requested LoRA adapters are not loaded: {name}\nLoaded adapters: {list(self.loaded)}."
-            )
+            adapter = self._reload(name)
         self.loaded.move_to_end(name)  # a use, for the LRU eviction at the cap
+        return adapter
+
+    def _reload(self, name: str) -> Adapter:
+        """SGLang 0.5.23's `TokenizerManager._resolve_lora_path`: a name loaded once and unloaded since (or evicted)
+        is loaded again from its folder, silently, the least recently used others evicted past the cap; a name
+        never loaded is refused."""
+        path = self.refs.get(name)
+        if path is None:
+            raise LoRAError(f"Got LoRA adapter that has never been loaded: {name}\n"
+                            f"All loaded adapters: {list(self.refs)}.")
+        try:
+            adapter = read_adapter(name, path)
+        except Exception as e:
+            raise LoRAError(f"Failed to implicitly load LoRA adapter {name}: {e}") from e
+        log.info("reloading LoRA adapter %r for a request naming it (as SGLang does)", name)
+        self.loaded[name] = adapter
+        while self.max_loaded is not None and len(self.loaded) > self.max_loaded:
+            self.loaded.pop(next(n for n in self.loaded if n != name))  # running rows keep their Adapter
         return adapter
 
     def lru(self) -> str | None:
@@ -263,6 +281,7 @@ def setup(engine: _EngineLike, options: LoRAOptions) -> LoRAManager:
         adapter = read_adapter(name, path or name)
         manager.check_new(adapter, engine.scheduler.model)
         manager.loaded[adapter.name] = adapter
+        manager.refs[adapter.name] = path or name
     return manager
 
 
@@ -272,7 +291,8 @@ def _in_use(scheduler: Any, adapter: Adapter) -> bool:
 
 
 async def _unload(engine: _EngineLike, name: str) -> dict[str, Any]:
-    """Unregister at once (new requests naming it get 400), then wait for the requests using it to end."""
+    """Unregister at once, then wait for the requests using it to end (a later /generate naming it loads it again,
+    as SGLang does: `LoRAManager._reload`)."""
     manager = engine.lora
     assert manager is not None
     adapter = manager.loaded.pop(name, None)
@@ -316,6 +336,7 @@ def add_lora_routes(app: FastAPI, engine: _EngineLike) -> None:
             adapter = await asyncio.to_thread(read_adapter, body["lora_name"], path)
             manager.check_new(adapter, engine.scheduler.model)
             manager.loaded[adapter.name] = adapter
+            manager.refs[adapter.name] = path
             while manager.max_loaded is not None and len(manager.loaded) > manager.max_loaded:
                 lru = manager.lru()
                 assert lru is not None

@@ -169,12 +169,18 @@ class Scheduler:
         self.call(enqueue)
 
     def abort(self, rid: str | None, *, exact: bool = False) -> Future[Any]:
-        """Abort requests whose rid starts with `rid` (or equals it); all of them when `rid` is None."""
+        """Abort requests whose rid starts with `rid` (or equals it); all of them when `rid` is None. As SGLang
+        0.5.23 with one tokenizer worker (`TokenizerManager.abort_request`): nothing unless a request has exactly
+        `rid`; then the scheduler aborts every rid starting with it."""
 
         def match(seq: _Seq) -> bool:
             return rid is None or seq.req.rid == rid or (not exact and seq.req.rid.startswith(rid))
 
-        return self.call(lambda: self._abort(match))
+        def run() -> None:
+            if rid is None or any(s.req.rid == rid for s in (*self._waiting, *self._rows)):
+                self._abort(match)
+
+        return self.call(run)
 
     def pause(self, mode: str) -> Future[Any]:
         return self.call(lambda: self._pause(mode))

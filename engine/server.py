@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from transformers import AutoTokenizer, PreTrainedModel
 
-from engine.grammar import GrammarCompiler, grammar_key
+from engine.grammar import GrammarCompiler, GrammarError, grammar_key
 from engine.lora import (
     REQUEST_ADAPTER,
     LoRAError,
@@ -255,9 +255,17 @@ async def generate(engine: Engine, request: Request) -> Response:
     """SGLang's `POST /generate` (served by `GenerateRoute`, and by the app's route when called without it)."""
     body = await _json_body(request)
     call = parse_generate(body, engine.tokenizer, engine.context_length, engine.vocab_size)
-    select_adapter(engine.lora, body)  # lora_path: the adapter its rows use (400 when not loaded)
-    if grammar_key(call.specs[0].params) is not None:
-        call = await asyncio.to_thread(engine.with_grammars, call)
+    select_adapter(engine.lora, body)  # lora_path: the adapter its rows use (400 when never loaded)
+    try:
+        if grammar_key(call.specs[0].params) is not None:
+            call = await asyncio.to_thread(engine.with_grammars, call)
+    except InvalidRequest as exc:
+        if not call.stream:
+            raise
+        # SGLang checks grammars after the stream started: its tokenizer manager's ValueError (more than one
+        # grammar) is an `error` event, a grammar that does not compile an abort chunk with status 400.
+        events = _grammar_abort(call.specs[0], str(exc)) if isinstance(exc, GrammarError) else _error_event(exc)
+        return StreamingResponse(events, media_type="text/event-stream")
     if call.stream:
         return StreamingResponse(_sse(engine, call.specs[0]), media_type="text/event-stream")
     work: asyncio.Future[list[Result]] = asyncio.ensure_future(
@@ -375,6 +383,23 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
     async def health() -> Response:
         scheduler.start()
         return Response(status_code=200 if scheduler.alive else 503)
+
+
+async def _grammar_abort(spec: GenerateSpec, message: str) -> AsyncGenerator[str, None]:
+    """SGLang's stream for a grammar that does not compile (`Req.set_finish_with_abort`: no tokens, no logprobs;
+    `TokenizerManager._handle_abort_finish_reason` passes the chunk on to a streamed call)."""
+    finish = {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"}
+    meta = {"id": spec.rid, "finish_reason": finish, "prompt_tokens": len(spec.input_ids), "completion_tokens": 0,
+            "cached_tokens": 0, "e2e_latency": 0.0}
+    yield f"data: {json.dumps({'text': '', 'output_ids': [], 'meta_info': meta})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _error_event(exc: Exception) -> AsyncGenerator[str, None]:
+    """SGLang's stream for a ValueError its tokenizer manager raises (`http_server.serve_generate_request`)."""
+    error = {"message": str(exc), "type": "invalid_request_error", "code": 400, "retryable": False}
+    yield f"data: {json.dumps({'error': error})}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 async def _sse(engine: Engine, spec: GenerateSpec) -> AsyncGenerator[str, None]:

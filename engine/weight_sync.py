@@ -53,14 +53,6 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     return pg
 
 
-def flat_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
-    """The dtype of a flattened bucket: what `torch.cat` of its tensors gives (SGLang's FlattenedTensorBucket)."""
-    out = dtypes[0]
-    for d in dtypes[1:]:
-        out = torch.promote_types(out, d)
-    return out
-
-
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
@@ -68,9 +60,26 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def bucket_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[tuple[int, int]]:
+    """(start, end) byte offsets of each tensor in a flattened bucket, as SGLang 0.5.23 lays one out
+    (`srt/weight_sync/tensor_bucket.py` `FlattenedTensorBucket.empty`): the tensors' bytes back to back, in order,
+    each starting at a multiple of its dtype's size (a bucket that breaks that is refused, as SGLang refuses it)."""
+    out, offset = [], 0
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
+        size = torch.Size(shape).numel() * dtype.itemsize
+        if any(d < 0 for d in shape):
+            raise ValueError(f"Negative dimension in received tensor {i}: {shape}")
+        if offset % dtype.itemsize:
+            raise ValueError(f"Unaligned received tensor {i}: byte offset {offset}, dtype {dtype}")
+        out.append((offset, offset + size))
+        offset += size
+    return out
+
+
 def receive(pg: dist.ProcessGroup, dtypes: list[torch.dtype], shapes: list[list[int]], flattened: bool) -> list[torch.Tensor]:
-    """Receive one bucket from rank 0: one broadcast of the concatenated tensors (`flattened_bucket`), else one
-    broadcast per tensor, in order. Blocks (call it off the event loop) until done or the group's timeout."""
+    """Receive one bucket from rank 0: with `flattened_bucket`, one broadcast of a `uint8` buffer holding the
+    tensors' bytes (SGLang's `_receive_bucketed_weights_from_distributed`), each tensor a view of its bytes; else
+    one broadcast per tensor, in order. Blocks (call it off the event loop) until done or the group's timeout."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     if not flattened:
@@ -78,21 +87,21 @@ def receive(pg: dist.ProcessGroup, dtypes: list[torch.dtype], shapes: list[list[
         for t in tensors:
             pg.broadcast([t], opts).wait()
         return tensors
-    numels = [int(torch.Size(s).numel()) for s in shapes]
-    flat = _buffer(sum(numels), flat_dtype(dtypes))
+    layout = bucket_layout(dtypes, shapes)
+    flat = _buffer(layout[-1][1] if layout else 0)
     pg.broadcast([flat], opts).wait()
-    return [piece.view(s).to(d) for piece, s, d in zip(flat.split(numels), shapes, dtypes, strict=True)]
+    return [flat[a:b].view(d).reshape(s) for (a, b), s, d in zip(layout, shapes, dtypes, strict=True)]
 
 
 _BUFFER: list[torch.Tensor] = []
 
 
-def _buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """One receive buffer, kept between calls (buckets are loaded one at a time): fresh memory would cost its page
-    faults on every bucket of every publish."""
-    if not _BUFFER or _BUFFER[0].numel() < numel * torch.empty(0, dtype=dtype).element_size():
-        _BUFFER[:] = [torch.empty(numel * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8)]
-    return _BUFFER[0][: numel * torch.empty(0, dtype=dtype).element_size()].view(dtype)
+def _buffer(nbytes: int) -> torch.Tensor:
+    """One receive buffer of `nbytes` bytes, kept between calls (buckets are loaded one at a time): fresh memory
+    would cost its page faults on every bucket of every publish."""
+    if not _BUFFER or _BUFFER[0].numel() < nbytes:
+        _BUFFER[:] = [torch.empty(nbytes, dtype=torch.uint8)]
+    return _BUFFER[0][:nbytes]
 
 
 class WeightSync:

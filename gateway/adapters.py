@@ -55,9 +55,22 @@ def is_adapter(model_path: str | None) -> bool:
     return model_path is not None and model_path.startswith(LORA)
 
 
+MISSING = ("not loaded", "does not exist", "never been loaded", "Failed to implicitly load LoRA adapter")
+"""SGLang 0.5.23's words for an adapter a request or an unload names that the server lacks: `lora_registry.acquire`
+("... are not loaded", a race), `unload` ("... does not exist"), `TokenizerManager._resolve_lora_path` ("Got LoRA
+adapter that has never been loaded": a restarted server; "Failed to implicitly load": its folder is gone)."""
+
+
+def out_of_sync(error: BackendRejected) -> bool:
+    """The server has never loaded the adapter (it restarted) or cannot load it again: it must be synced (the
+    pool's recovery loads what the gateway serves) before it serves this gateway's adapters again."""
+    return any(m in error.message for m in MISSING[2:])
+
+
 def missing(error: BackendRejected) -> bool:
-    """The server does not have the adapter a request named (unloaded meanwhile): re-route, don't fail."""
-    return "not loaded" in error.message or "does not exist" in error.message
+    """The server does not have the adapter a request named: re-route, don't fail. (A name it loaded before and
+    unloaded since it loads again by itself: the gateway never routes to a version it unloads.)"""
+    return any(m in error.message for m in MISSING)
 
 
 @dataclass(frozen=True, slots=True)

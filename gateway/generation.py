@@ -11,13 +11,14 @@ tokens.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.adapters import missing, route_adapter
+from gateway.adapters import missing, out_of_sync, route_adapter
 from gateway.errors import BadRequest, ServiceUnavailable
 from gateway.pool import Backend, BackendPool, NoBackendAvailable
 from gateway.sglang import BackendRejected, BackendUnavailable
@@ -141,6 +142,9 @@ async def generate(
                     yield len(res.output_ids)
         except BackendRejected as e:
             if adapter is not None and missing(e):  # unloaded meanwhile (evicted, another gateway): route again
+                if out_of_sync(e):  # a restarted server: out of rotation until its recovery loads the adapters
+                    with contextlib.suppress(NoBackendAvailable):
+                        pool.mark_failed(pool.pick(session_id, group_id), f"adapter {adapter.name}: {e}")
                 await pool.adapters.refresh()
                 continue
             raise BadRequest(f"the inference backend refused the request: {e}") from e

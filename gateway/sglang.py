@@ -132,7 +132,10 @@ class SGLangClient:
         obj = _loads(data, "/generate")
         if not isinstance(obj, dict):
             raise BackendError("/generate answered a list: send one prompt with n = 1")
-        return _parse(obj, GenResult)
+        result = _parse(obj, GenResult)
+        if (error := _abort_error(result.finish_reason)) is not None:
+            raise error
+        return result
 
     def close(self) -> None:
         """Close this client's idle connections (the aiohttp session is the caller's)."""
@@ -158,6 +161,8 @@ class SGLangClient:
                 if "error" in obj:
                     raise _event_error(obj)
                 chunk = _chunk(obj, seen)
+                if (error := _abort_error(chunk.finish_reason)) is not None:
+                    raise error
                 seen += len(chunk.output_ids)
                 finished = chunk.finish_reason is not None
                 yield chunk
@@ -422,6 +427,20 @@ def _status_error(status: int, body: bytes, url: str) -> BackendError:
     if status >= 500 or status in (408, 429):  # the server is busy or broken, not the request
         return BackendUnavailable(f"{url}: HTTP {status}: {message}", status)
     return BackendRejected(status, message)
+
+
+def _abort_error(finish: dict[str, Any] | None) -> BackendError | None:
+    """The error an abort finish reason with an HTTP status carries (SGLang's `FINISH_ABORT(message, status_code)`:
+    a grammar that does not compile, 400; a failed step, 500), else None (a plain abort is resubmitted). A streamed
+    call gets it as its last chunk, with HTTP 200 (`TokenizerManager._handle_abort_finish_reason`): it is the
+    same error a non-streamed call gets as its HTTP status."""
+    if not finish or finish.get("type") != "abort":
+        return None
+    status = finish.get("status_code")
+    if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status < 600:
+        return None
+    return _status_error(status, orjson.dumps({"error": {"message": str(finish.get("message") or "")}}),
+                         "/generate")
 
 
 def _event_error(obj: dict[str, Any]) -> BackendError:

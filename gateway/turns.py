@@ -37,6 +37,7 @@ from gateway.templating import ChatTemplate
 from gateway.tool_grammar import ForcedTools, resolve_tool_choice, structural_tag
 from gateway.tool_parsers import ParsedReply, ReplyParser
 from gateway.wire import pack
+from rollway.json_schema_check import unsupported_reason
 
 T = TypeVar("T")
 
@@ -218,6 +219,8 @@ class TurnService:
         exceed it (Settings.max_session_tokens)."""
         if auth.state != "active":
             raise Conflict(f"session {auth.id} is {auth.state}; it takes no more turns", code="session_ended")
+        if req.json_schema is not None:
+            _check_json_schema(req)
         if req.tools and self.template.tool_parser is None:
             raise BadRequest(
                 "this model's chat template writes tool calls in a format the gateway does not know, so it cannot "
@@ -514,3 +517,21 @@ def tools_for_choice(
     choice is honoured with a grammar (gateway/tool_grammar.py); one the model's family cannot be held to is a
     400 in `TurnService.prepare`."""
     return resolve_tool_choice(tool_choice, tools, parallel_tool_calls)
+
+
+SCHEMA_PARAM = {"responses": "text.format", "messages": "output_config.format"}
+"""The field that carries a turn's json_schema, by endpoint (chat and completions: response_format)."""
+
+
+def _check_json_schema(req: TurnRequest) -> None:
+    """Refuse up front what SGLang 0.5.23 refuses in a `json_schema` grammar (rollway/json_schema_check.py), so
+    the answer does not depend on the backend; forced tool calls' schemas (in a structural_tag) are not checked,
+    as SGLang does not check them."""
+    try:
+        schema = json.loads(req.json_schema or "")
+    except json.JSONDecodeError:
+        return  # the gateway wrote it from a parsed body: always JSON
+    reason = unsupported_reason(schema)
+    if reason is not None:
+        raise BadRequest(f"the JSON schema uses what the inference backend cannot enforce: {reason}",
+                         param=SCHEMA_PARAM.get(req.endpoint, "response_format"), code="unsupported_schema")

@@ -8,7 +8,7 @@
 
 One group per backend, so a backend that dies mid-update breaks only its own group: the others finish and serve
 the new version (docs/http-api.md "Weight sync over process groups"). Buckets are consecutive tensors of one
-dtype up to `weight_sync_bucket_mb`, each sent as one flat tensor (SGLang's `flattened_bucket` load format).
+dtype up to `weight_sync_bucket_mb`, each sent as one `uint8` buffer of its bytes (SGLang's `flattened_bucket`).
 Every rendezvous and broadcast has `weight_sync_timeout`. When no backend could take the weights over a group
 (the gateway answers 503), the same state is written as an HF folder and published by path (the disk path).
 
@@ -98,6 +98,14 @@ class Bucket:
         return {n: p.view(s) for n, p, s in zip(self.names, self.flat.split(numels), self.shapes, strict=True)}
 
 
+def wire_bytes(flat: torch.Tensor) -> torch.Tensor:
+    """A bucket as SGLang 0.5.23 receives a `flattened_bucket`: one `uint8` buffer of the tensors' bytes
+    (`srt/weight_sync/tensor_bucket.py` `FlattenedTensorBucket.empty`, which the server allocates and broadcasts
+    into; NCCL and gloo need both ends to name the same dtype and count). A view, no copy: a bucket holds one dtype,
+    so every tensor starts at a multiple of its size, as the server checks."""
+    return flat.reshape(-1).view(torch.uint8)
+
+
 @dataclass
 class Sender:
     """Rank 0 of one backend's group, on its own thread: join, broadcast every bucket, leave."""
@@ -126,7 +134,8 @@ class Sender:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             for b in self.buckets:
-                flat = b.flat.cuda() if self.backend == "nccl" else b.flat
+                flat = wire_bytes(b.flat)
+                flat = flat.cuda() if self.backend == "nccl" else flat
                 pg.broadcast([flat], opts).wait()
                 self.sent += 1
         except Exception as e:  # reported with the gateway's answer; the other groups go on

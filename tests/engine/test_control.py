@@ -169,11 +169,17 @@ async def test_successive_updates_serve_each_checkpoint(
     assert len({tuple(v) for v in expected.values()}) == 3
 
 
-async def test_abort_request_matches_rid_prefix(http: httpx.AsyncClient) -> None:
-    group = [asyncio.create_task(generate(http, LONG, rid=f"grp_{i}")) for i in range(2)]
+async def test_abort_request_needs_a_held_rid_then_matches_its_prefix(http: httpx.AsyncClient) -> None:
+    """SGLang 0.5.23 with one tokenizer worker (`TokenizerManager.abort_request`): an abort whose rid no request
+    has exactly is dropped; one that a request has aborts every rid starting with it (the scheduler's
+    `startswith`)."""
+    group = [asyncio.create_task(generate(http, LONG, rid=rid)) for rid in ("grp", "grp_1")]
     bystander = asyncio.create_task(generate(http, {"temperature": 0, "max_new_tokens": 150}, rid="other"))
     await wait_busy(http)
     await asyncio.sleep(0.1)
+    assert (await http.post("/abort_request", json={"rid": "gr"})).status_code == 200  # held by none
+    await asyncio.sleep(0.3)
+    assert not any(t.done() for t in group)
     r = await http.post("/abort_request", json={"rid": "grp"})
     assert r.status_code == 200
     for out in await asyncio.gather(*group):

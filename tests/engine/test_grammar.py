@@ -82,7 +82,9 @@ def test_ebnf_and_the_masked_logprobs(live_engine: LiveServer) -> None:
     ({"json_schema": "{not json"}, "Failed to compile json grammar"),
     ({"ebnf": "root ::= "}, "Failed to compile ebnf grammar"),
     ({"structural_tag": json.dumps({"type": "structural_tag"})}, "Failed to compile structural_tag grammar"),
-    ({"json_schema": "{}", "regex": "a"}, "Only one of regex, json_schema, or ebnf can be set."),
+    ({"json_schema": "{}", "regex": "a"}, "Only one of json_schema, regex, ebnf, or structural_tag can be set."),
+    ({"regex": "a", "structural_tag": json.dumps({"type": "structural_tag", "format": {"type": "any_text"}})},
+     "Only one of json_schema, regex, ebnf, or structural_tag can be set."),
 ])
 def test_bad_grammars_are_400s_in_sglangs_shape(live_engine: LiveServer, sampling: dict[str, Any], needle: str) -> None:
     r = asyncio.run(generate(live_engine.url, sampling, [5, 6]))
@@ -137,3 +139,32 @@ def test_structural_tag_forms_beside_the_gateways(live_engine: LiveServer) -> No
     assert r.status_code == 400
     assert "Failed to compile structural_tag grammar" in r.json()["error"]["message"]
     assert "'triggered_tags' is not supported" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("schema", "needle"), [
+    ({"type": "integer", "multipleOf": 3}, "JSON Schema at # is not supported by xgrammar: keyword(s) multipleOf"),
+    ({"type": "object", "properties": {"d": {"type": "string", "format": "color"}}},
+     "JSON Schema at #/properties/d is not supported by xgrammar: string format 'color' is not implemented"),
+    ({"type": "string", "format": "date", "pattern": "^2"}, "constraints format, pattern cannot be enforced together"),
+])
+def test_schemas_sglang_refuses_are_refused(live_engine: LiveServer, schema: Any, needle: str) -> None:
+    """SGLang 0.5.23's `validate_xgrammar_json_schema` (issue 27 item 4), in its words; not in a structural tag."""
+    r = asyncio.run(generate(live_engine.url, {"json_schema": json.dumps(schema)}, [5, 6]))
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == f"Failed to compile json grammar: {needle}" or needle in r.text
+    tag = {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": schema}}
+    r = asyncio.run(generate(live_engine.url, {"structural_tag": json.dumps(tag), "max_new_tokens": 4}, [5, 6]))
+    assert r.status_code == 200, r.text
+
+
+def test_a_streamed_bad_grammar_is_an_abort_chunk_with_status_400(live_engine: LiveServer) -> None:
+    """As SGLang streams it (issue 27 item 3): HTTP 200, one chunk finishing with abort, status_code 400."""
+    r = asyncio.run(generate(live_engine.url, {"regex": "[0-9"}, [5, 6], stream=True, rid="g1"))
+    assert r.status_code == 200
+    events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")
+              and "[DONE]" not in line]
+    (chunk,) = events
+    finish = chunk["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and finish["status_code"] == 400 and finish["err_type"] == "BadRequestError"
+    assert finish["message"].startswith("Failed to compile regex grammar")
+    assert chunk["output_ids"] == [] and chunk["meta_info"]["id"] == "g1"

@@ -44,6 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from rollway.json_schema_check import unsupported_reason
 from tests.fakes.serve import ServerThread, serve_forever
 from tests.fakes.sglang_gen import Generation, abort_finish, bad, cached_prefix, event, render, step, validate
 
@@ -108,6 +109,7 @@ class FakeSGLang:
         self._scripts: deque[list[int]] = deque()
         self._failures: deque[int] = deque()
         self._stream_failures: deque[tuple[int, str | None]] = deque()
+        self._status_aborts: deque[tuple[str, int]] = deque()
         self._gens: dict[str, Generation] = {}
         self._history: deque[list[int]] = deque(maxlen=256)
         self._draws = 0
@@ -118,6 +120,8 @@ class FakeSGLang:
         self.max_loaded_loras = max_loaded_loras
         self.loras: dict[str, str] = {}  # name -> path, least recently used first
         self._lora_of: dict[str, str] = {}  # rid -> the adapter it runs on (an unload waits for them)
+        self.lora_refs: dict[str, str] = {}  # every adapter ever loaded (SGLang's lora_ref_cache; a restart clears)
+        self.reloaded: list[str] = []  # adapters a /generate loaded again
         info = "/get_model_info" if legacy else "/model_info"
         server = "/get_server_info" if legacy else "/server_info"
         self._app = Starlette(
@@ -166,6 +170,12 @@ class FakeSGLang:
         `{"error": {"message"}}` event, or with message=None by dropping the connection."""
         self._stream_failures.append((after_tokens, message))
 
+    def abort_next(self, message: str, status: int = 400) -> None:
+        """Finish the next /generate at once with SGLang's `FINISH_ABORT(message, status)` (a grammar xgrammar does
+        not compile: 400; a failed step: 500): a streamed call gets HTTP 200 and one chunk carrying it, a
+        non-streamed one the status (`TokenizerManager._handle_abort_finish_reason`)."""
+        self._status_aborts.append((message, status))
+
     def start(self) -> FakeSGLang:
         self._server.start()
         return self
@@ -194,19 +204,41 @@ class FakeSGLang:
         except orjson.JSONDecodeError as e:
             return bad(f"invalid JSON: {e}")
         self.requests.append(payload)
+        record(request, payload)
         if self._failures:
             status = self._failures.popleft()
             return JSONResponse({"error": {"message": f"fake: injected failure {status}"}}, status)
         error = validate(payload, self.context_length, self.max_req_input_len, self.legacy)
-        if error is None:
-            error = grammar_error(payload.get("sampling_params") or {})
         if error is not None:
             return error
+        found = grammar_error(payload.get("sampling_params") or {})
+        if found is None and self._status_aborts:
+            message, status = self._status_aborts.popleft()
+            if not payload.get("stream"):
+                return JSONResponse({"error": {"message": message}}, status)
+            found = (message, "compile")
+        if found is not None:
+            message, stage = found
+            if payload.get("stream") and stage != "contract":
+                return StreamingResponse(grammar_stream(payload, message, stage), media_type="text/event-stream")
+            return bad(message)
         lora = payload.get("lora_path")
-        if lora is not None and (not self.enable_lora or lora not in self.loras):
-            message = (f"The following requested LoRA adapters are not loaded: {lora}\nLoaded adapters: "
-                       f"{list(self.loras)}." if self.enable_lora else "LoRA is not enabled.")
-            return JSONResponse({"error": {"message": message}}, 400)
+        if lora is not None and lora not in self.loras:
+            # SGLang 0.5.23's `TokenizerManager._resolve_lora_path`: a name loaded before is loaded again,
+            # silently (evicting the least recently used past the cap); one never loaded is refused.
+            if not self.enable_lora:
+                message = f"LoRA adapter '{lora}' was requested, but LoRA is not enabled."
+            elif lora not in self.lora_refs:
+                message = (f"Got LoRA adapter that has never been loaded: {lora}\n"
+                           f"All loaded adapters: dict_keys({list(self.lora_refs)}).")
+            else:
+                message = ""
+                self.loras[lora] = self.lora_refs[lora]
+                self.reloaded.append(lora)
+                while self.max_loaded_loras is not None and len(self.loras) > self.max_loaded_loras:
+                    self.loras.pop(next(n for n in self.loras if n != lora))
+            if message:
+                return JSONResponse({"error": {"message": message}}, 400)
         if lora is not None:
             self.loras[lora] = self.loras.pop(lora)  # a use (LRU)
             self._lora_of[str(payload.get("rid"))] = lora
@@ -319,9 +351,12 @@ class FakeSGLang:
         raw = await request.body()
         body: dict[str, Any] = orjson.loads(raw) if raw.strip() else {}
         self.calls.append((request.url.path, body))
+        record(request, body)
         return body
 
     def _abort_matching(self, prefix: str, abort_all: bool, message: str = "Aborted") -> None:
+        if not abort_all and prefix not in self._gens:
+            return  # SGLang's tokenizer manager drops an abort of a rid it does not hold (one tokenizer worker)
         for gen in list(self._gens.values()):
             if abort_all or (prefix and gen.rid.startswith(prefix)):
                 gen.abort_message = message if gen.started else "Abort in waiting queue"
@@ -430,6 +465,7 @@ class FakeSGLang:
             return self._lora_result(f"Failed to load LoRA adapter {name}: no adapter_config.json in {path!r}")
         await asyncio.sleep(self.load_delay)
         self.loras[name] = path
+        self.lora_refs[name] = path
         while self.max_loaded_loras is not None and len(self.loras) > self.max_loaded_loras:
             self.loras.pop(next(iter(self.loras)))  # SGLang unloads the least recently used one
         return self._lora_result()
@@ -472,16 +508,20 @@ class FakeSGLang:
         return Response(status_code=200 if self.healthy else 503)
 
 
-def grammar_error(sp: dict[str, Any]) -> Response | None:
-    """SGLang's checks of the grammar keys (docs/sglang-contract.md "Constrained decoding"): at most one of
-    json_schema, regex, ebnf; each a string; JSON where it must be (the fake compiles nothing and constrains
-    nothing: scripts decide what comes out)."""
-    given = [k for k in ("json_schema", "regex", "ebnf") if sp.get(k) is not None]
-    if len(given) > 1:
-        return bad("Only one of regex, json_schema, or ebnf can be set.")
+def grammar_error(sp: dict[str, Any]) -> tuple[str, str] | None:
+    """SGLang's checks of the grammar keys (docs/sglang-contract.md "Constrained decoding") as (message, stage),
+    by where SGLang 0.5.23 makes them: "contract" (`api_contract.generate_contract_error`: each key a string; a
+    400 before anything runs), "verify" (`SamplingParams.verify` in the tokenizer manager: at most one of
+    json_schema, regex, ebnf, structural_tag), "compile" (the scheduler's grammar manager: JSON that does not
+    parse, a structural tag of neither form, a json_schema xgrammar would not enforce,
+    `validate_xgrammar_json_schema`). The fake compiles nothing and constrains nothing: scripts decide what
+    comes out."""
     for key in ("json_schema", "regex", "ebnf", "structural_tag"):
         if sp.get(key) is not None and not isinstance(sp[key], str):
-            return bad(f"{key} must be a string")
+            return f"{key} must be a string", "contract"
+    given = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if sp.get(k) is not None]
+    if len(given) > 1:
+        return "Only one of json_schema, regex, ebnf, or structural_tag can be set.", "verify"
     kind = {"json_schema": "json", "structural_tag": "structural_tag"}
     for key in ("json_schema", "structural_tag"):
         text = sp.get(key)
@@ -490,13 +530,45 @@ def grammar_error(sp: dict[str, Any]) -> Response | None:
         try:
             value = orjson.loads(text)
         except orjson.JSONDecodeError as e:
-            return bad(f"Failed to compile {kind[key]} grammar: {e}")
+            return f"Failed to compile {kind[key]} grammar: {e}", "compile"
+        if key == "json_schema" and (reason := unsupported_reason(value)) is not None:
+            return f"Failed to compile json grammar: {reason}", "compile"
         if key == "structural_tag" and not (
             isinstance(value, dict)
             and (isinstance(value.get("format"), dict) or ("structures" in value and "triggers" in value))
         ):
-            return bad("Failed to compile structural_tag grammar: needs 'format' or 'structures' and 'triggers'")
+            return "Failed to compile structural_tag grammar: needs 'format' or 'structures' and 'triggers'", "compile"
     return None
+
+
+async def grammar_stream(payload: dict[str, Any], message: str, stage: str) -> AsyncIterator[bytes]:
+    """A streamed call's grammar error, as SGLang streams it with HTTP 200: the tokenizer manager's ValueError as
+    an `error` event (`http_server.serve_generate_request`), a compile failure as one chunk finishing with an abort
+    that carries status 400 (`Req.set_finish_with_abort`: no tokens, no logprobs)."""
+    if stage == "verify":
+        yield event({"error": {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}})
+    else:
+        finish = {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"}
+        meta = {"id": payload.get("rid") or uuid.uuid4().hex, "finish_reason": finish,
+                "prompt_tokens": len(payload.get("input_ids") or []), "completion_tokens": 0, "cached_tokens": 0,
+                "e2e_latency": 0.0}
+        yield event({"text": "", "output_ids": [], "meta_info": meta})
+    yield b"data: [DONE]\n\n"
+
+
+RECORD_ENV = "ROLLWAY_RECORD_SGLANG"
+"""A file: every body a fake receives is appended to it as a JSON line {"path", "test", "agent", "body"}, for the
+conformance suite (tests/sglang_conformance), which checks them with SGLang's own request types."""
+
+
+def record(request: Request, body: Any) -> None:
+    target = os.environ.get(RECORD_ENV)
+    if not target:
+        return
+    line = {"path": request.url.path, "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+            "agent": request.headers.get("user-agent", ""), "body": body}
+    with open(target, "ab") as f:
+        f.write(orjson.dumps(line) + b"\n")
 
 
 async def _until(condition: Callable[[], bool]) -> None:

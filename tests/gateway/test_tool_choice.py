@@ -122,7 +122,9 @@ def test_a_family_without_a_grammar_is_refused_by_name(mistral_gateway: LiveGate
 def test_backend_grammar_errors_are_400s(gateway: LiveGateway, fake: FakeSGLang) -> None:
     """The fake checks the grammar keys as SGLang does: two at once is its 400, relayed as the agent's 400."""
     r = fake_post(fake, {"json_schema": "{}", "regex": "a"})
-    assert r.status_code == 400 and r.json()["error"]["message"] == "Only one of regex, json_schema, or ebnf can be set."
+    assert r.status_code == 400 and r.json()["error"]["message"] == "Only one of json_schema, regex, ebnf, or structural_tag can be set."
+    r = fake_post(fake, {"regex": "a", "structural_tag": json.dumps({"type": "structural_tag", "format": {}})})
+    assert r.status_code == 400 and "or structural_tag can be set" in r.json()["error"]["message"]  # 0.5.23
     r = fake_post(fake, {"structural_tag": json.dumps({"type": "structural_tag"})})
     assert r.status_code == 400 and "Failed to compile structural_tag grammar" in r.json()["error"]["message"]
 
