@@ -7,9 +7,10 @@ lean keep-alive client of the server's own (`gateway.http1`: ~0.03 ms instead of
 
 Exceptions (the pool fails over on `BackendUnavailable`; the app maps the rest to HTTP in one place):
 
-    BackendError              the server answered something this client cannot read (bad JSON, a batch)
-    ├── BackendUnavailable    connection refused/reset, timeout, truncated body or stream, 5xx, 408, 429:
-    │                         the server is the problem; retry the request on another backend
+    BackendError              the server answered something this client cannot use (a batch's list)
+    ├── BackendUnavailable    connection refused/reset, timeout, truncated body or stream, 5xx, 408, 429,
+    │                         a 200 that is not JSON or not a /generate answer: the server is the problem;
+    │                         retry the request on another backend
     └── BackendRejected       any other 4xx, an SSE `error` event, `success: false`: the request itself
                               is bad and fails the same way anywhere. `.status`, `.message` (the server's)
 
@@ -155,6 +156,8 @@ class SGLangClient:
                     clean = await events.drain()
                     break
                 obj = _loads(data, "/generate stream")
+                if not isinstance(obj, dict):
+                    raise BackendUnavailable(f"{self.url}/generate: a stream event that is not an object")
                 if "error" in obj:
                     raise _event_error(obj)
                 chunk = _chunk(obj, seen)
@@ -352,9 +355,9 @@ def _chunk(obj: dict[str, Any], seen: int) -> GenChunk:
     try:
         total = int(obj["meta_info"]["completion_tokens"])
     except (KeyError, TypeError, ValueError) as e:
-        raise BackendError(f"stream chunk without meta_info.completion_tokens: {e!r}") from e
+        raise BackendUnavailable(f"stream chunk without meta_info.completion_tokens: {e!r}") from e
     if total < seen:
-        raise BackendError(f"completion_tokens went back from {seen} to {total}")
+        raise BackendUnavailable(f"completion_tokens went back from {seen} to {total}")
     return _parse(obj, GenChunk, total=total, new=total - seen)
 
 
@@ -364,7 +367,7 @@ def _tail(items: list[Any], total: int | None, new: int | None, what: str) -> li
         return items
     if len(items) == total:
         return items[total - new :]
-    raise BackendError(f"stream chunk has {len(items)} {what} for {total} tokens of which {new} are new")
+    raise BackendUnavailable(f"stream chunk has {len(items)} {what} for {total} tokens of which {new} are new")
 
 
 def _parse(obj: dict[str, Any], cls: type[_R], *, total: int | None = None, new: int | None = None) -> _R:
@@ -388,14 +391,16 @@ def _parse(obj: dict[str, Any], cls: type[_R], *, total: int | None = None, new:
             rid=str(meta.get("id", "")),
         )
     except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise BackendError(f"malformed /generate answer: {e!r}") from e
+        # A 200 this client cannot read is that server failing (a proxy's error page, a broken build), not
+        # the request: the pool fails over to another backend.
+        raise BackendUnavailable(f"malformed /generate answer: {e!r}") from e
 
 
 def _loads(data: bytes, where: str) -> Any:
     try:
         return orjson.loads(data)
-    except orjson.JSONDecodeError as e:
-        raise BackendError(f"{where}: not JSON: {data[:200]!r}") from e
+    except orjson.JSONDecodeError as e:  # as in _parse: the server failing, not the request
+        raise BackendUnavailable(f"{where}: not JSON: {data[:200]!r}") from e
 
 
 def _error_message(body: bytes) -> str:
