@@ -123,6 +123,10 @@ class Settings(BaseSettings):
     """B for staleness admission until a trainer tells its own value with a lease request."""
     max_head_offpolicyness: int = -1
     """η for admission of new groups; -1 = no admission control until a trainer sets it."""
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Addresses or networks (env: comma-separated, e.g. 10.0.0.5,10.1.0.0/16) of the reverse proxies in front
+    of the gateway: only from these are `X-Forwarded-For`, `-Proto` and `-Host` believed (gateway.proxies).
+    Empty (the default): from nobody, loopback included."""
 
     @field_validator("tool_parser")
     @classmethod
@@ -159,6 +163,17 @@ class Settings(BaseSettings):
             v = [u.strip() for u in v.split(",") if u.strip()]
         if isinstance(v, list):
             return [backend_url(u) if isinstance(u, str) else u for u in v]
+        return v
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _split_proxies(cls, v: object) -> object:
+        from gateway.proxies import parse_proxies
+
+        if isinstance(v, str):
+            v = [p.strip() for p in v.split(",") if p.strip()]
+        if isinstance(v, list) and all(isinstance(p, str) for p in v):
+            parse_proxies(v)  # ValueError names the entry that is not an address or network
         return v
 
     @property

@@ -203,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     _setting(s, "--host", "host", help="bind address (non-loopback needs ROLLWAY_ADMIN_KEY)")
     _setting(s, "--port", "port", type=int)
     _setting(s, "--public-url", "public_url", help="base URL handed to agents (empty: from each request)")
+    _setting(s, "--trusted-proxy", "trusted_proxies", action="append", metavar="IP[/BITS]",
+             help="a reverse proxy whose X-Forwarded-For/-Proto/-Host are believed (repeatable)")
     _setting(s, "--served-model-name", "served_model_name",
              help="model name in replies (empty: the model folder's name)")
     _setting(s, "--tool-parser", "tool_parser",

@@ -152,8 +152,10 @@ def serve(args: argparse.Namespace) -> int:
         app = create_app(settings, admin_key=key)
         print(f"gateway on http://{settings.host}:{settings.port}  (agents: POST /v1/groups for keys)",
               file=sys.stderr)
+        # proxy_headers off: uvicorn would believe X-Forwarded-For from 127.0.0.1, i.e. from any local user;
+        # the app believes them from ROLLWAY_TRUSTED_PROXIES only (gateway.proxies).
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, loop="uvloop",
-                                               http="httptools", timeout_graceful_shutdown=5))
+                                               http="httptools", timeout_graceful_shutdown=5, proxy_headers=False))
         threading.Thread(target=announce_readiness, args=(local_url(settings.host, settings.port), settings.backends),
                          name="readiness", daemon=True).start()
         server.run(sockets=[sock])
