@@ -96,7 +96,7 @@ class GatewayApp(FastAPI):
     def __init__(self, *, routes: dict[str, Any], trusted_proxies: list[str] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         fastapi_app = ErrorBoundary(functools.partial(FastAPI.__call__, self))
-        self._entry = RequestMetrics(SessionRoutes(fastapi_app, routes))
+        self._entry: Any = RequestMetrics(SessionRoutes(fastapi_app, routes))
         if trusted_proxies:  # X-Forwarded-* from these peers only (gateway.proxies); run with proxy_headers=False
             self._entry = TrustedProxies(self._entry, trusted_proxies)
 
@@ -126,7 +126,9 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
             await publisher.sync_backend(backend)
 
         pool = BackendPool(http, health_interval=settings.health_interval_s, on_recover=on_recover,
-                           client_options={"read_timeout": settings.backend_timeout_s})
+                           client_options={"read_timeout": settings.backend_timeout_s,
+                                           "api_key": settings.backend_api_key,
+                                           "admin_api_key": settings.backend_admin_api_key})
         publisher = Publisher(pool, leases, metrics)
         for url in settings.backends:
             pool.add(url)

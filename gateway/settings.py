@@ -111,6 +111,12 @@ class Settings(BaseSettings):
     would take the session past it is a 400 (start a new session, or raise this). 4M is a 100-turn episode
     whose prompts average 40k tokens (a long-horizon agent on a 64k context); at the limit a record is about
     30 MB of JSON, where a runaway agent loop had no bound at all."""
+    backend_api_key: str = ""
+    """The backends' `--api-key` (SGLang's, or `rollway engine`'s): sent as `Authorization: Bearer` on /generate
+    and the info routes, and on the admin routes too when `backend_admin_api_key` is empty. Empty: no header."""
+    backend_admin_api_key: str = ""
+    """The backends' `--admin-api-key`: sent on their admin routes (pause, continue, abort, weight updates,
+    adapters, flush_cache), which SGLang then opens to that key only."""
     backend_timeout_s: float = 600.0
     """Read timeout for one /generate call."""
     max_resubmits: int = 8

@@ -36,6 +36,10 @@ from gateway.http1 import BadResponse, Http1Client
 
 PauseMode = Literal["abort", "retract", "in_place"]
 _JSON_HEADERS = {"Content-Type": "application/json"}
+NORMAL_ROUTES = frozenset({"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info"})
+"""The routes this client calls that SGLang 0.5.23 marks NORMAL (`--api-key` only; every other route it calls is
+ADMIN_OPTIONAL: `--admin-api-key` when the server has one, else `--api-key`; /health is open):
+`sglang.srt.utils.auth.decide_request_auth` and the `@auth_level` marks in its http_server.py."""
 # Transport failures that say nothing about the request: another backend may well succeed.
 _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
 
@@ -98,10 +102,18 @@ class SGLangClient:
         read_timeout: float = 600.0,
         control_timeout: float = 60.0,
         health_timeout: float = 5.0,
+        api_key: str = "",
+        admin_api_key: str = "",
     ) -> None:
         self.url = url.rstrip("/")
         self._session = session
-        self._http1 = Http1Client(self.url, connect_timeout=connect_timeout)
+        # SGLang's scheme: `Authorization: Bearer <key>`, the API key on NORMAL routes, the admin key (else the
+        # API key) on the admin ones. An empty key sends no header, as for a server started without keys.
+        api = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        admin = {"Authorization": f"Bearer {admin_api_key or api_key}"} if admin_api_key or api_key else {}
+        self._normal_headers = {**_JSON_HEADERS, **api}
+        self._admin_headers = {**_JSON_HEADERS, **admin}
+        self._http1 = Http1Client(self.url, connect_timeout=connect_timeout, headers=api)
         self._read_timeout_s = read_timeout
         self._connect_timeout = connect_timeout
         self._gen_timeout = self._read_timeout(read_timeout)
@@ -231,8 +243,9 @@ class SGLangClient:
 
     async def health(self) -> bool:
         """True iff GET /health answers 200; never raises for an unreachable server."""
-        try:
-            async with self._session.get(self.url + "/health", timeout=self._health_timeout) as resp:
+        try:  # never redirected: a probe that followed one would report on whatever it leads to
+            async with self._session.get(self.url + "/health", timeout=self._health_timeout,
+                                         allow_redirects=False) as resp:
                 await resp.read()
                 return resp.status == 200
         except (*_TRANSPORT_ERRORS, aiohttp.ClientError, ValueError):  # recovery: unreachable, or a URL no
@@ -269,9 +282,9 @@ class SGLangClient:
         url = self.url + "/generate"
         try:
             resp = await self._session.post(
-                url, data=orjson.dumps(body), headers=_JSON_HEADERS, timeout=timeout
+                url, data=orjson.dumps(body), headers=self._normal_headers, timeout=timeout, allow_redirects=False
             )
-            if resp.status < 400:
+            if resp.status < 300:
                 return resp
             raw = await resp.read()
         except _TRANSPORT_ERRORS as e:
@@ -286,14 +299,16 @@ class SGLangClient:
         url = self.url + path
         data = None if body is None else orjson.dumps(body)
         try:
+            headers = self._normal_headers if path in NORMAL_ROUTES else self._admin_headers
             async with self._session.request(
-                method, url, data=data, headers=_JSON_HEADERS, timeout=timeout or self._control_timeout
+                method, url, data=data, headers=headers, timeout=timeout or self._control_timeout,
+                allow_redirects=False,
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
         except _TRANSPORT_ERRORS as e:
             raise BackendUnavailable(f"{url}: {e!r}") from e
-        if status >= 400:
+        if status >= 300:  # a redirect is followed nowhere (a registered URL is the server, not a signpost)
             raise _status_error(status, raw, url)
         return raw
 
@@ -424,7 +439,7 @@ def _error_message(body: bytes) -> str:
 
 def _status_error(status: int, body: bytes, url: str) -> BackendError:
     message = _error_message(body)
-    if status >= 500 or status in (408, 429):  # the server is busy or broken, not the request
+    if status >= 500 or status in (408, 429) or status < 400:  # busy, broken or redirecting: not the request
         return BackendUnavailable(f"{url}: HTTP {status}: {message}", status)
     return BackendRejected(status, message)
 

@@ -12,8 +12,8 @@ imports nothing from the gateway: it reaches it only over HTTP), so the rest of 
 from __future__ import annotations
 
 import logging
-import threading
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
