@@ -439,7 +439,9 @@ def _error_message(body: bytes) -> str:
 
 def _status_error(status: int, body: bytes, url: str) -> BackendError:
     message = _error_message(body)
-    if status >= 500 or status in (408, 429) or status < 400:  # busy, broken or redirecting: not the request
+    # Busy, broken, redirecting, or refusing this gateway's key (401, 403: SGLang's `--api-key` scheme, a
+    # configuration of that server's): not the request, which another backend may well serve.
+    if status >= 500 or status in (401, 403, 408, 429) or status < 400:
         return BackendUnavailable(f"{url}: HTTP {status}: {message}", status)
     return BackendRejected(status, message)
 
