@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager, suppress
 from pathlib import Path
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from transformers import AutoTokenizer, PreTrainedModel
 
+from engine.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys, add_key_arguments
 from engine.grammar import GrammarCompiler, GrammarError, grammar_key
 from engine.lora import (
     REQUEST_ADAPTER,
@@ -166,7 +168,10 @@ def create_app(
     context_length: int | None = None,
     incremental_streaming_output: bool = False,
     lora: LoRAOptions | None = None,
+    api_key: str = "",
+    admin_api_key: str = "",
 ) -> FastAPI:
+    """`api_key` / `admin_api_key`: SGLang's `--api-key` / `--admin-api-key` scheme (engine.auth); empty: open."""
     engine = Engine(
         model_dir,
         served_model_name=served_model_name,
@@ -191,6 +196,8 @@ def create_app(
     _add_routes(app, engine)
     add_weight_sync_routes(app, engine, _json_body)  # the process-group path (gloo)
     app.add_middleware(GenerateRoute, engine=engine)
+    if api_key or admin_api_key:  # added last: the outermost, before /generate's fast path too
+        app.add_middleware(ApiKeys, api_key=api_key, admin_api_key=admin_api_key)
     return app
 
 
@@ -424,8 +431,11 @@ def serve(
     incremental_streaming_output: bool = False,
     context_length: int | None = None,
     lora: LoRAOptions | None = None,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn handles both and runs the lifespan shutdown)."""
+    """Serve until SIGINT/SIGTERM (uvicorn handles both and runs the lifespan shutdown). A key left None comes
+    from the environment (engine.auth)."""
     app = create_app(
         model_dir,
         served_model_name=served_model_name,
@@ -433,6 +443,8 @@ def serve(
         context_length=context_length,
         incremental_streaming_output=incremental_streaming_output,
         lora=lora,
+        api_key=os.environ.get(API_KEY_ENV, "") if api_key is None else api_key,
+        admin_api_key=os.environ.get(ADMIN_API_KEY_ENV, "") if admin_api_key is None else admin_api_key,
     )
     build_server(app, host=host, port=port, log_level=log_level).run()
 
@@ -469,6 +481,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--incremental-streaming-output", action="store_true")
     parser.add_argument("--log-level", default="warning")
+    add_key_arguments(parser)
     LoRAOptions.add_arguments(parser)
     args = parser.parse_args(argv)
     serve(
@@ -481,6 +494,8 @@ def main(argv: list[str] | None = None) -> None:
         incremental_streaming_output=args.incremental_streaming_output,
         context_length=args.context_length,
         lora=LoRAOptions.from_args(args),
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
     )
 
 

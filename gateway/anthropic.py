@@ -6,10 +6,11 @@ prepared, generated, recorded and chained exactly like a chat completion's: an A
 token chain across its tool-use steps. The reply (`ParsedReply`) becomes content blocks again.
 
 Thinking blocks carry a `signature` the gateway can verify when the block comes back: an HMAC, keyed from the
-admin key (so every gateway of a deployment verifies every other's), over the turn id and the thinking text.
-A thinking block whose text was changed is refused (400), as Anthropic's API refuses it; one that verifies
-goes back to the template as `reasoning_content`. Continuity ignores reasoning (the parent's own ids hold it),
-so the next turn extends the same chain whether the client sends the block back or drops it.
+admin key (so every gateway of a deployment verifies every other's) and bound to the session, over the turn id
+and the thinking text. A thinking block whose text was changed, or that another session was given, is refused
+(400), as Anthropic's API refuses it; one that verifies goes back to the template as `reasoning_content`.
+Continuity ignores reasoning (the parent's own ids hold it), so the next turn extends the same chain whether
+the client sends the block back or drops it.
 
 Every field, block and header and what becomes of it: docs/conformance-anthropic.md.
 """
@@ -68,6 +69,12 @@ def signing_key(admin_key: str) -> bytes:
     return hmac.new(admin_key.encode(), b"rollway thinking-block signature v1", hashlib.sha256).digest()
 
 
+def session_signing_key(key: bytes, session_id: str) -> bytes:
+    """The key of one session's signatures: a thinking block issued in one session is refused in any other
+    (its text would otherwise go into another session's prompt as the model's own reasoning)."""
+    return hmac.new(key, b"session\0" + session_id.encode(), hashlib.sha256).digest()
+
+
 def sign_thinking(key: bytes, turn_id: str, thinking: str) -> str:
     """`<turn id>.<HMAC of the turn id and the text>`: opaque to clients, checkable here."""
     mac = hmac.new(key, turn_id.encode() + b"\0" + thinking.encode(), hashlib.sha256).digest()
@@ -87,7 +94,8 @@ def check_blocks(data: dict[str, Any], settings: Settings) -> None:
     JSON before validation (as `replies.check_counts` counts messages)."""
     limit = BLOCKS_PER_MESSAGE * settings.max_messages
     n = len(data["system"]) if isinstance(data.get("system"), list) else 0
-    for m in data.get("messages") or ():
+    messages = data.get("messages")
+    for m in messages if isinstance(messages, list) else ():  # any other type: validation's 400 follows
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
             n += len(content)
@@ -296,7 +304,7 @@ def tool_input(arguments: str) -> Any:
     """A parsed call's arguments (always JSON text) as the tool_use block's `input`."""
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:  # the parsers only produce JSON; kept whole rather than lost if one did not
+    except (json.JSONDecodeError, RecursionError):  # the parsers only produce JSON; kept whole rather than lost if one did not
         return {"arguments": arguments}
 
 

@@ -29,6 +29,7 @@ from gateway.changes import Changes
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics, RequestMetrics
 from gateway.pool import Backend, BackendPool
+from gateway.proxies import TrustedProxies
 from gateway.routes.backends import Registry
 from gateway.routes.common import STORE_UNAVAILABLE, error_response
 from gateway.routes.dispatch import ErrorBoundary, SessionRoutes, nul_in_url, refuse_nul
@@ -92,10 +93,12 @@ class GatewayApp(FastAPI):
     and every request of both kinds counted by `RequestMetrics`. A middleware added with `add_middleware`
     (CORS, say) wraps the FastAPI routes only; wrap the app itself to reach the OpenAI routes too."""
 
-    def __init__(self, *, routes: dict[str, Any], **kwargs: Any) -> None:
+    def __init__(self, *, routes: dict[str, Any], trusted_proxies: list[str] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         fastapi_app = ErrorBoundary(functools.partial(FastAPI.__call__, self))
-        self._entry = RequestMetrics(SessionRoutes(fastapi_app, routes))
+        self._entry: Any = RequestMetrics(SessionRoutes(fastapi_app, routes))
+        if trusted_proxies:  # X-Forwarded-* from these peers only (gateway.proxies); run with proxy_headers=False
+            self._entry = TrustedProxies(self._entry, trusted_proxies)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         scope["app"] = self
@@ -123,7 +126,9 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
             await publisher.sync_backend(backend)
 
         pool = BackendPool(http, health_interval=settings.health_interval_s, on_recover=on_recover,
-                           client_options={"read_timeout": settings.backend_timeout_s})
+                           client_options={"read_timeout": settings.backend_timeout_s,
+                                           "api_key": settings.backend_api_key,
+                                           "admin_api_key": settings.backend_admin_api_key})
         publisher = Publisher(pool, leases, metrics)
         for url in settings.backends:
             pool.add(url)
@@ -181,7 +186,7 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
 
     # anthropic_api last: its /v1/models answers Anthropic clients and hands OpenAI clients to openai_api's
     app = GatewayApp(routes={**openai_api.ROUTES, **responses.ROUTES, **anthropic_api.ROUTES}, title="rollway gateway",
-                     lifespan=lifespan)
+                     lifespan=lifespan, trusted_proxies=settings.trusted_proxies)
     app.state.admin_key = admin_key
     _install_error_handlers(app)
     app.include_router(groups.router)

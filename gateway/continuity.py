@@ -67,7 +67,7 @@ def _arguments(arguments: Any) -> str:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return "raw:" + arguments  # not JSON: only the identical string is equal
     return _canonical_json(arguments)
 

@@ -94,7 +94,8 @@ class _Connection(asyncio.Protocol):
 class Http1Client:
     """Keep-alive connections to one server (`http://` or `https://`); no limit on how many are open."""
 
-    def __init__(self, url: str, *, connect_timeout: float = 5.0, idle_timeout: float = 2.0) -> None:
+    def __init__(self, url: str, *, connect_timeout: float = 5.0, idle_timeout: float = 2.0,
+                 headers: dict[str, str] | None = None) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
@@ -103,14 +104,19 @@ class Http1Client:
         self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self._host_header = parts.netloc.rsplit("@", 1)[-1].encode("idna")
         self._base = parts.path.rstrip("/").encode()
+        # Extra header lines of every request (`Authorization: Bearer <key>` for a server with `--api-key`).
+        if any(c in k + v for k, v in (headers or {}).items() for c in "\r\n"):
+            raise ValueError("a header holds a line break")
+        self._extra = b"".join(b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1"))
+                               for k, v in (headers or {}).items())
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self._idle: list[_Connection] = []
 
     async def post(self, path: str, body: bytes, *, timeout: float | None = None) -> tuple[int, bytes]:
         """(status, body) of one POST of a JSON body; `timeout` bounds the wait for the whole answer."""
-        head = (b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                % (self._base, path.encode(), self._host_header, len(body)))
+        head = (b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n"
+                % (self._base, path.encode(), self._host_header, self._extra, len(body)))
         conn = self._take()
         if conn is not None:
             loop = asyncio.get_running_loop()

@@ -68,6 +68,7 @@ def _operations() -> dict[tuple[str, str], Operation]:
     from gateway.routes.training import AckBody, LeaseBody, PublishBody, RenewBody
     from gateway.routes.training_reports import TrainingStepBody
     from gateway.routes.viewer_keys import CreateViewerKey
+    from gateway.weight_sync import SyncBody, SyncInitBody
 
     sessions_query = (
         Query("state", {"type": "string", "enum": ["active", "finished", "abandoned"]}, "only sessions in this state"),
@@ -107,6 +108,16 @@ def _operations() -> dict[tuple[str, str], Operation]:
         ("POST", "/v1/weights"): Operation("Publish weights: pause, load, resume every backend", "admin", 200,
                                            (*BODY, *ADMIN, 404, 409, *STORE), PublishBody),
         ("GET", "/v1/weights"): Operation("The current weight version and path", "admin", 200, (*ADMIN, *STORE)),
+        # Publishing over process groups (docs/http-api.md "Weight sync over process groups"): 409 for a version
+        # that is not newer or a sync_id that is not the pending one, 503 while another publish holds the lock
+        # or when no backend answers.
+        ("POST", "/v1/weights/sync/init"): Operation("Plan a weight sync over process groups (takes the publish "
+                                                     "lock)", "admin", 200, (*BODY, *ADMIN, 409, *STORE),
+                                                     SyncInitBody),
+        ("POST", "/v1/weights/sync"): Operation("Run the planned weight sync: the backends receive the buckets",
+                                                "admin", 200, (*BODY, *ADMIN, 409, *STORE), SyncBody),
+        ("GET", "/v1/weights/sync"): Operation("The weight sync in progress, if any", "admin", 200,
+                                               (*ADMIN, *STORE)),
         ("GET", "/v1/backends"): Operation("The inference servers", "admin", 200, ADMIN),
         ("POST", "/v1/backends"): Operation("Add an inference server", "admin", 201,
                                             (*BODY, *ADMIN, *STORE), AddBackend),

@@ -26,6 +26,11 @@ MAX_LOGGED_UNKNOWN = 100
 without bound."""
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
+MAX_ABS_REWARD = 1e6
+"""Rewards (session, turn, group) are refused outside [-1e6, 1e6]: the trainer computes returns and advantages
+in float32 (max ~3.4e38), where a reward of 1e308 (finite in JSON) became `inf` in a lease, and sums and
+variances of rewards past ~1e154 overflow float64 in the viewer's statistics. No reward scheme needs more."""
+Reward = Annotated[float, Field(ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD)]
 
 
 class _Lenient(BaseModel):
@@ -279,11 +284,11 @@ class CreateGroupRequest(Strict):
 
 class TurnReward(Strict):
     turn_id: str
-    reward: float
+    reward: Reward
 
 
 class RewardRequest(Strict):
-    reward: float | None = None
+    reward: Reward | None = None
     turn_rewards: list[TurnReward] | None = None
     finish: bool = False
     """Also finish the session, in the same transaction (one request instead of two)."""
@@ -291,7 +296,7 @@ class RewardRequest(Strict):
 
 class SessionReward(Strict):
     session_id: str = Field(min_length=1, max_length=64)
-    reward: float
+    reward: Reward
 
 
 class GroupRewardsRequest(Strict):
@@ -311,4 +316,5 @@ class GroupRewardsRequest(Strict):
 
 
 class AbandonRequest(Strict):
-    reason: str = "abandoned_by_client"
+    reason: str = Field(default="abandoned_by_client", max_length=128)
+    """Stored in a varchar(128) (PostgreSQL refuses longer; SQLite would keep it): the same 400 on both."""

@@ -111,6 +111,12 @@ class Settings(BaseSettings):
     would take the session past it is a 400 (start a new session, or raise this). 4M is a 100-turn episode
     whose prompts average 40k tokens (a long-horizon agent on a 64k context); at the limit a record is about
     30 MB of JSON, where a runaway agent loop had no bound at all."""
+    backend_api_key: str = ""
+    """The backends' `--api-key` (SGLang's, or `rollway engine`'s): sent as `Authorization: Bearer` on /generate
+    and the info routes, and on the admin routes too when `backend_admin_api_key` is empty. Empty: no header."""
+    backend_admin_api_key: str = ""
+    """The backends' `--admin-api-key`: sent on their admin routes (pause, continue, abort, weight updates,
+    adapters, flush_cache), which SGLang then opens to that key only."""
     backend_timeout_s: float = 600.0
     """Read timeout for one /generate call."""
     max_resubmits: int = 8
@@ -123,6 +129,10 @@ class Settings(BaseSettings):
     """B for staleness admission until a trainer tells its own value with a lease request."""
     max_head_offpolicyness: int = -1
     """η for admission of new groups; -1 = no admission control until a trainer sets it."""
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Addresses or networks (env: comma-separated, e.g. 10.0.0.5,10.1.0.0/16) of the reverse proxies in front
+    of the gateway: only from these are `X-Forwarded-For`, `-Proto` and `-Host` believed (gateway.proxies).
+    Empty (the default): from nobody, loopback included."""
 
     @field_validator("tool_parser")
     @classmethod
@@ -159,6 +169,17 @@ class Settings(BaseSettings):
             v = [u.strip() for u in v.split(",") if u.strip()]
         if isinstance(v, list):
             return [backend_url(u) if isinstance(u, str) else u for u in v]
+        return v
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _split_proxies(cls, v: object) -> object:
+        from gateway.proxies import parse_proxies
+
+        if isinstance(v, str):
+            v = [p.strip() for p in v.split(",") if p.strip()]
+        if isinstance(v, list) and all(isinstance(p, str) for p in v):
+            parse_proxies(v)  # ValueError names the entry that is not an address or network
         return v
 
     @property

@@ -7,9 +7,10 @@ lean keep-alive client of the server's own (`gateway.http1`: ~0.03 ms instead of
 
 Exceptions (the pool fails over on `BackendUnavailable`; the app maps the rest to HTTP in one place):
 
-    BackendError              the server answered something this client cannot read (bad JSON, a batch)
-    ├── BackendUnavailable    connection refused/reset, timeout, truncated body or stream, 5xx, 408, 429:
-    │                         the server is the problem; retry the request on another backend
+    BackendError              the server answered something this client cannot use (a batch's list)
+    ├── BackendUnavailable    connection refused/reset, timeout, truncated body or stream, 5xx, 408, 429,
+    │                         a 200 that is not JSON or not a /generate answer: the server is the problem;
+    │                         retry the request on another backend
     └── BackendRejected       any other 4xx, an SSE `error` event, `success: false`: the request itself
                               is bad and fails the same way anywhere. `.status`, `.message` (the server's)
 
@@ -35,6 +36,10 @@ from gateway.http1 import BadResponse, Http1Client
 
 PauseMode = Literal["abort", "retract", "in_place"]
 _JSON_HEADERS = {"Content-Type": "application/json"}
+NORMAL_ROUTES = frozenset({"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info"})
+"""The routes this client calls that SGLang 0.5.23 marks NORMAL (`--api-key` only; every other route it calls is
+ADMIN_OPTIONAL: `--admin-api-key` when the server has one, else `--api-key`; /health is open):
+`sglang.srt.utils.auth.decide_request_auth` and the `@auth_level` marks in its http_server.py."""
 # Transport failures that say nothing about the request: another backend may well succeed.
 _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
 
@@ -97,10 +102,18 @@ class SGLangClient:
         read_timeout: float = 600.0,
         control_timeout: float = 60.0,
         health_timeout: float = 5.0,
+        api_key: str = "",
+        admin_api_key: str = "",
     ) -> None:
         self.url = url.rstrip("/")
         self._session = session
-        self._http1 = Http1Client(self.url, connect_timeout=connect_timeout)
+        # SGLang's scheme: `Authorization: Bearer <key>`, the API key on NORMAL routes, the admin key (else the
+        # API key) on the admin ones. An empty key sends no header, as for a server started without keys.
+        api = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        admin = {"Authorization": f"Bearer {admin_api_key or api_key}"} if admin_api_key or api_key else {}
+        self._normal_headers = {**_JSON_HEADERS, **api}
+        self._admin_headers = {**_JSON_HEADERS, **admin}
+        self._http1 = Http1Client(self.url, connect_timeout=connect_timeout, headers=api)
         self._read_timeout_s = read_timeout
         self._connect_timeout = connect_timeout
         self._gen_timeout = self._read_timeout(read_timeout)
@@ -158,6 +171,8 @@ class SGLangClient:
                     clean = await events.drain()
                     break
                 obj = _loads(data, "/generate stream")
+                if not isinstance(obj, dict):
+                    raise BackendUnavailable(f"{self.url}/generate: a stream event that is not an object")
                 if "error" in obj:
                     raise _event_error(obj)
                 chunk = _chunk(obj, seen)
@@ -233,8 +248,9 @@ class SGLangClient:
 
     async def health(self) -> bool:
         """True iff GET /health answers 200; never raises for an unreachable server."""
-        try:
-            async with self._session.get(self.url + "/health", timeout=self._health_timeout) as resp:
+        try:  # never redirected: a probe that followed one would report on whatever it leads to
+            async with self._session.get(self.url + "/health", timeout=self._health_timeout,
+                                         allow_redirects=False) as resp:
                 await resp.read()
                 return resp.status == 200
         except (*_TRANSPORT_ERRORS, aiohttp.ClientError, ValueError):  # recovery: unreachable, or a URL no
@@ -271,9 +287,9 @@ class SGLangClient:
         url = self.url + "/generate"
         try:
             resp = await self._session.post(
-                url, data=orjson.dumps(body), headers=_JSON_HEADERS, timeout=timeout
+                url, data=orjson.dumps(body), headers=self._normal_headers, timeout=timeout, allow_redirects=False
             )
-            if resp.status < 400:
+            if resp.status < 300:
                 return resp
             raw = await resp.read()
         except _TRANSPORT_ERRORS as e:
@@ -288,14 +304,16 @@ class SGLangClient:
         url = self.url + path
         data = None if body is None else orjson.dumps(body)
         try:
+            headers = self._normal_headers if path in NORMAL_ROUTES else self._admin_headers
             async with self._session.request(
-                method, url, data=data, headers=_JSON_HEADERS, timeout=timeout or self._control_timeout
+                method, url, data=data, headers=headers, timeout=timeout or self._control_timeout,
+                allow_redirects=False,
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
         except _TRANSPORT_ERRORS as e:
             raise BackendUnavailable(f"{url}: {e!r}") from e
-        if status >= 400:
+        if status >= 300:  # a redirect is followed nowhere (a registered URL is the server, not a signpost)
             raise _status_error(status, raw, url)
         return raw
 
@@ -357,9 +375,9 @@ def _chunk(obj: dict[str, Any], seen: int) -> GenChunk:
     try:
         total = int(obj["meta_info"]["completion_tokens"])
     except (KeyError, TypeError, ValueError) as e:
-        raise BackendError(f"stream chunk without meta_info.completion_tokens: {e!r}") from e
+        raise BackendUnavailable(f"stream chunk without meta_info.completion_tokens: {e!r}") from e
     if total < seen:
-        raise BackendError(f"completion_tokens went back from {seen} to {total}")
+        raise BackendUnavailable(f"completion_tokens went back from {seen} to {total}")
     return _parse(obj, GenChunk, total=total, new=total - seen)
 
 
@@ -369,7 +387,7 @@ def _tail(items: list[Any], total: int | None, new: int | None, what: str) -> li
         return items
     if len(items) == total:
         return items[total - new :]
-    raise BackendError(f"stream chunk has {len(items)} {what} for {total} tokens of which {new} are new")
+    raise BackendUnavailable(f"stream chunk has {len(items)} {what} for {total} tokens of which {new} are new")
 
 
 def _parse(obj: dict[str, Any], cls: type[_R], *, total: int | None = None, new: int | None = None) -> _R:
@@ -393,14 +411,16 @@ def _parse(obj: dict[str, Any], cls: type[_R], *, total: int | None = None, new:
             rid=str(meta.get("id", "")),
         )
     except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise BackendError(f"malformed /generate answer: {e!r}") from e
+        # A 200 this client cannot read is that server failing (a proxy's error page, a broken build), not
+        # the request: the pool fails over to another backend.
+        raise BackendUnavailable(f"malformed /generate answer: {e!r}") from e
 
 
 def _loads(data: bytes, where: str) -> Any:
     try:
         return orjson.loads(data)
-    except orjson.JSONDecodeError as e:
-        raise BackendError(f"{where}: not JSON: {data[:200]!r}") from e
+    except orjson.JSONDecodeError as e:  # as in _parse: the server failing, not the request
+        raise BackendUnavailable(f"{where}: not JSON: {data[:200]!r}") from e
 
 
 def _error_message(body: bytes) -> str:
@@ -424,7 +444,9 @@ def _error_message(body: bytes) -> str:
 
 def _status_error(status: int, body: bytes, url: str) -> BackendError:
     message = _error_message(body)
-    if status >= 500 or status in (408, 429):  # the server is busy or broken, not the request
+    # Busy, broken, redirecting, or refusing this gateway's key (401, 403: SGLang's `--api-key` scheme, a
+    # configuration of that server's): not the request, which another backend may well serve.
+    if status >= 500 or status in (401, 403, 408, 429) or status < 400:
         return BackendUnavailable(f"{url}: HTTP {status}: {message}", status)
     return BackendRejected(status, message)
 

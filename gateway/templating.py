@@ -42,8 +42,9 @@ from gateway.tool_parsers import (
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|user|>")
 HARMONY_STOPS = ("<|return|>", "<|call|>")
 """gpt-oss ends a reply with one of these; its `<|end|>` ends one message of a reply, not the reply."""
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
-"""Variables the gateway sets itself: chat_template_kwargs may not replace them."""
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "self"})
+"""Variables the gateway sets itself (and `self`, Jinja's own: `Template.render(self, ...)` took `{"self": 1}`
+as a second value of its first argument, a TypeError): chat_template_kwargs may not replace them."""
 
 Message = Mapping[str, Any]
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -84,6 +85,8 @@ def _hf_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
             fn["arguments"] = json.loads(args)
         except json.JSONDecodeError:
             pass  # not JSON: the template renders the string as it came
+        except RecursionError:  # the request boundary refuses these (routes.common.check_json_shape)
+            raise BadRequest("tool call arguments are nested too deeply", param="messages") from None
     elif args is None:
         fn["arguments"] = {}
     out = {k: v for k, v in call.items() if v is not None}

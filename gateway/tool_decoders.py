@@ -75,7 +75,7 @@ def call_from_args(name: Any, args: Any) -> ParsedToolCall | None:
     elif isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # a model's output too deep to parse is no call
             return None
     if not isinstance(args, dict):
         return None
@@ -93,7 +93,7 @@ def json_call(obj: Any, arg_keys: tuple[str, ...]) -> ParsedToolCall | None:
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return _INVALID
 
 

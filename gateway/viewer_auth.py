@@ -34,6 +34,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from gateway.auth import bearer, is_admin_key
 from gateway.errors import Forbidden, TooManyRequests, Unauthorized
+from gateway.proxies import forwarded_host
 from gateway.routes.common import error_response, json_response, read_raw_body
 from gateway.store.store import hash_key
 
@@ -43,7 +44,10 @@ COOKIE = "rollway_ui"
 SESSION_TTL_S = 12 * 3600.0
 """How long a sign-in lasts (override per app: `app.state.ui_session_ttl_s`)."""
 MAX_FAILURES, FAILURE_WINDOW_S = 10, 60.0
-"""Failed sign-ins one client address may make in the window before it gets 429s until the window passes."""
+"""Failed sign-ins one client address may make in the window before its wrong keys get 429s until the window
+passes. A right key still signs in: on a shared machine every local user is 127.0.0.1, and ten wrong keys must
+not lock the admin out. (Guessing is not what this stops: keys are 256-bit random, and the API checks bearer
+keys unthrottled anyway; it keeps a flood of failures out of the log and shows a client it is failing.)"""
 LOGIN = "/ui/login"
 
 Role = Literal["admin", "viewer", "session"]
@@ -201,7 +205,8 @@ def _cross_site(request: Request) -> bool:
     origin = request.headers.get("origin")
     if origin is None:
         return False
-    hosts = {request.headers.get(h, "").lower() for h in ("host", "x-forwarded-host")}  # a proxy may rewrite Host
+    # A proxy may rewrite Host: its X-Forwarded-Host counts, from a trusted proxy only (gateway.proxies).
+    hosts = {request.headers.get("host", "").lower(), forwarded_host(request)}
     return urllib.parse.urlsplit(origin).netloc.lower() not in hosts - {""}
 
 
@@ -212,12 +217,6 @@ async def login(request: Request) -> Response:
     client = _client(request)
     limiter = _limiter(request)
     try:
-        limiter.check(client)
-    except TooManyRequests as e:
-        response = login_page("/ui", e.message, 429)
-        response.headers["Retry-After"] = str(max(1, round(e.retry_after or 1)))
-        return response
-    try:
         form = urllib.parse.parse_qs((await read_raw_body(request)).decode("utf-8", "replace"), max_num_fields=10)
     except ValueError:  # more fields than the form has
         return login_page("/ui", "The form was not understood.", 400)
@@ -225,6 +224,12 @@ async def login(request: Request) -> Response:
     next_path = safe_next((form.get("next") or [""])[0])
     found = await identify(request, key) if key else None
     if found is None:
+        try:
+            limiter.check(client)
+        except TooManyRequests as e:  # past the limit: refused without a log line each
+            response = login_page("/ui", e.message, 429)
+            response.headers["Retry-After"] = str(max(1, round(e.retry_after or 1)))
+            return response
         n = limiter.failed(client)
         log.warning("failed /ui sign-in from %s (%d in the last %.0f s)", client, n, limiter.window_s)
         return login_page(next_path, "That key is not valid.", 401)
@@ -261,7 +266,8 @@ async def me(request: Request) -> Response:
 
 
 def _https(request: Request) -> bool:
-    return request.url.scheme == "https" or request.headers.get("x-forwarded-proto", "").lower() == "https"
+    """The scheme the browser used: a trusted proxy's X-Forwarded-Proto has already set it (gateway.proxies)."""
+    return request.url.scheme == "https"
 
 
 def wants_html(request: Request) -> bool:

@@ -22,7 +22,7 @@ def _engine(args: argparse.Namespace) -> int:
 
     serve(args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
           max_batch_size=args.max_batch_size, incremental_streaming_output=args.incremental_streaming_output,
-          lora=LoRAOptions.from_args(args))
+          lora=LoRAOptions.from_args(args), api_key=args.api_key, admin_api_key=args.admin_api_key)
     return 0
 
 
@@ -203,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     _setting(s, "--host", "host", help="bind address (non-loopback needs ROLLWAY_ADMIN_KEY)")
     _setting(s, "--port", "port", type=int)
     _setting(s, "--public-url", "public_url", help="base URL handed to agents (empty: from each request)")
+    _setting(s, "--trusted-proxy", "trusted_proxies", action="append", metavar="IP[/BITS]",
+             help="a reverse proxy whose X-Forwarded-For/-Proto/-Host are believed (repeatable)")
     _setting(s, "--served-model-name", "served_model_name",
              help="model name in replies (empty: the model folder's name)")
     _setting(s, "--tool-parser", "tool_parser",
@@ -223,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-batch-size", type=int, default=32, help="sequences decoded together")
     e.add_argument("--incremental-streaming-output", action="store_true",
                    help="stream deltas instead of cumulative chunks (like SGLang's flag)")
+    # SGLang's key flags (engine/auth.py; the CLI starts without importing the engine): absent, the environment's.
+    e.add_argument("--api-key", default=None,
+                   help="key for /generate and the info routes (Authorization: Bearer; env ROLLWAY_ENGINE_API_KEY)")
+    e.add_argument("--admin-api-key", default=None, help="key for the admin routes: pause, abort, weights, "
+                   "adapters (env ROLLWAY_ENGINE_ADMIN_API_KEY)")
     _lora_engine_flags(e)
     e.set_defaults(fn=_engine)
 

@@ -54,15 +54,19 @@ def ensure_tiny_model(data_dir: Path, seed: int = 0) -> Path:
 
 @contextlib.contextmanager
 def engine_process(model_dir: Path, *, port: int | None = None, log_path: Path | None = None,
-                   extra: list[str] | None = None) -> Iterator[str]:
-    """`rollway engine` as a child process; yields its URL; stops it on exit."""
+                   extra: list[str] | None = None, admin_api_key: str = "") -> Iterator[str]:
+    """`rollway engine` as a child process; yields its URL; stops it on exit. `admin_api_key` goes to it in its
+    environment (not its command line, which every local user can read): its admin routes take that key only."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "rollway.cli", "engine", "--model", str(model_dir), "--port", str(port),
            *(extra or [])]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     # SIGKILL when we die: the engine holds no state worth a graceful stop, and nothing else would stop it
     # when the gateway is killed outright (its own cleanup never runs then).
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_environment(os.environ),
+    env = engine_environment(os.environ)
+    if admin_api_key:
+        env["ROLLWAY_ENGINE_ADMIN_API_KEY"] = admin_api_key
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             preexec_fn=die_with_parent(signal.SIGKILL))
     url = f"http://127.0.0.1:{port}"
     try:

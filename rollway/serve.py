@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import errno
 import json
+import secrets
 import signal
 import socket
 import sys
@@ -146,14 +147,19 @@ def serve(args: argparse.Namespace) -> int:
         prepare_database(settings.db_url)
         if not settings.backends:
             model = Path(settings.model) if settings.model else ensure_tiny_model(data_dir)
-            url = stack.enter_context(engine_process(model, log_path=data_dir / "engine.log"))
-            settings = settings.model_copy(update={"backends": [url], "tokenizer": settings.tokenizer or str(model)})
+            # Its admin routes (pause, abort, weights) take a key of this run's: no other local user can pause it.
+            engine_key = settings.backend_admin_api_key or "rw-engine-" + secrets.token_urlsafe(32)
+            url = stack.enter_context(engine_process(model, log_path=data_dir / "engine.log", admin_api_key=engine_key))
+            settings = settings.model_copy(update={"backends": [url], "tokenizer": settings.tokenizer or str(model),
+                                                   "backend_admin_api_key": engine_key})
             print(f"embedded CPU engine at {url} serving {model}", file=sys.stderr)
         app = create_app(settings, admin_key=key)
         print(f"gateway on http://{settings.host}:{settings.port}  (agents: POST /v1/groups for keys)",
               file=sys.stderr)
+        # proxy_headers off: uvicorn would believe X-Forwarded-For from 127.0.0.1, i.e. from any local user;
+        # the app believes them from ROLLWAY_TRUSTED_PROXIES only (gateway.proxies).
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, loop="uvloop",
-                                               http="httptools", timeout_graceful_shutdown=5))
+                                               http="httptools", timeout_graceful_shutdown=5, proxy_headers=False))
         threading.Thread(target=announce_readiness, args=(local_url(settings.host, settings.port), settings.backends),
                          name="readiness", daemon=True).start()
         server.run(sockets=[sock])

@@ -225,6 +225,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"rollway view: {local_url(args.host, port)}/ui over {shown}", flush=True)
     if generated:
         print(f"admin key (generated for this run; set {ENV} to choose one): {key}", flush=True)
-    config = uvicorn.Config(app, lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+                            proxy_headers=False)  # X-Forwarded-* believed from nobody (gateway.proxies)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -39,7 +39,7 @@ class LiveGateway:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, lifespan="on", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, proxy_headers=False)  # as `rollway serve` runs it
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()

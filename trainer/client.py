@@ -12,6 +12,7 @@ imports nothing from the gateway: it reaches it only over HTTP), so the rest of 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,12 @@ class Sample:
             arrays.append(self.temperature)
         if any(len(a) != n for a in arrays):
             raise ValueError(f"sample of session {self.session_id}: arrays differ in length")
+        # Refused, never trained on: one inf return or reward makes every advantage of its group NaN. The
+        # gateway refuses rewards beyond 1e6, so only a broken or foreign gateway can send these.
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise ValueError(f"sample of session {self.session_id}: non-finite reward {self.reward}")
+        if not all(map(math.isfinite, self.returns)):
+            raise ValueError(f"sample of session {self.session_id}: non-finite values in returns")
 
     @property
     def n_loss_tokens(self) -> int:
@@ -128,6 +135,9 @@ def parse_group(d: dict[str, Any]) -> Group:
         )
         for s in d.get("sessions", [])
     ]
+    for info in sessions:
+        if info.reward is not None and not math.isfinite(info.reward):
+            raise ValueError(f"group {d['group_id']}: session {info.session_id} has a non-finite reward")
     return Group(str(d["group_id"]), d.get("task"), sessions, [parse_sample(s) for s in d.get("samples", [])])
 
 
@@ -321,7 +331,6 @@ def step_report(step: int, version: int, metrics: dict[str, Any], groups: list[A
     """The body of `POST /v1/training/steps`: the figures (non-finite ones as null: JSON has no NaN) and, per
     trained session, the token mean of its advantages over its loss tokens. `groups`: trainer.advantages'
     ScoredGroup (samples and per-token advantages)."""
-    import math
     import time
 
     figures = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from gateway.anthropic import (
     check_blocks,
     content_blocks,
+    session_signing_key,
     signing_key,
     stop_reason,
     thinking_omitted,
@@ -64,8 +65,8 @@ async def _read(request: Request, model: type[M]) -> tuple[M, int]:
     return body, len(raw)
 
 
-def _key(request: Request) -> bytes:
-    return signing_key(request.app.state.admin_key)
+def _key(request: Request, session_id: str) -> bytes:
+    return session_signing_key(signing_key(request.app.state.admin_key), session_id)
 
 
 async def _messages(request: Request, session_id: str | None) -> Response:
@@ -73,7 +74,7 @@ async def _messages(request: Request, session_id: str | None) -> Response:
     _note_headers(request)
     body, size = await _read(request, MessagesRequest)
     turns: TurnService = request.app.state.turns
-    key = _key(request)
+    key = _key(request, auth.id)
     req = turn_request(body, size, key=key, template_source=turns.template.tokenizer.chat_template or "")
     prepared = await turns.prepare(auth, req, max_session_tokens=request.app.state.settings.max_session_tokens)
     prepared.turn_id = unique_id("msg_")  # Anthropic's id form; the turn is stored under it
@@ -97,7 +98,8 @@ async def _count_tokens(request: Request, session_id: str | None) -> Response:
     auth = await chat_session(request, session_id, anthropic=True)
     body, size = await _read(request, CountTokensRequest)
     turns: TurnService = request.app.state.turns
-    req = turn_request(body, size, key=_key(request), template_source=turns.template.tokenizer.chat_template or "")
+    req = turn_request(body, size, key=_key(request, auth.id),
+                       template_source=turns.template.tokenizer.chat_template or "")
     prepared = await turns.prepare(auth, req)
     return json_response({"input_tokens": len(prepared.prompt_ids)})
 

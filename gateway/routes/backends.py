@@ -23,6 +23,7 @@ from pydantic import Field, field_validator
 from sqlalchemy import Table, delete, select
 
 from gateway.auth import admin
+from gateway.backend_policy import check_registrable, check_resolved
 from gateway.errors import BadRequest, NotFound
 from gateway.pool import Backend, BackendPool
 from gateway.protocol import Strict
@@ -131,12 +132,13 @@ class Registry:
 
 class AddBackend(Strict):
     url: str = Field(min_length=8, max_length=2048, pattern=r"^https?://")
-    """An SGLang server's base URL: http:// or https://, host, port (e.g. http://10.0.0.5:30000)."""
+    """An SGLang server's base URL: http:// or https://, host, port (e.g. http://10.0.0.5:30000); what may be
+    registered: gateway.backend_policy."""
 
     @field_validator("url")
     @classmethod
     def _valid(cls, v: str) -> str:
-        return backend_url(v)
+        return check_registrable(backend_url(v))
 
 
 def backend_json(b: object) -> dict[str, object]:
@@ -157,6 +159,10 @@ async def add_backend(request: Request) -> Response:
     state = request.app.state
     registry: Registry = state.registry
     url = body.url.rstrip("/")
+    try:
+        await check_resolved(url)
+    except ValueError as e:
+        raise BadRequest(str(e), param="url") from None
     async with registry.adding(url) as stored_id:
         backend = registry.add(url, stored_id)  # no traffic until it serves the current weights (sync_backend)
         try:

@@ -65,11 +65,36 @@ which refuses more than 254 levels: a body nested 300 deep once generated a repl
 it. 128 leaves room for the record around the body; no real tool schema or message comes near it."""
 
 
+def json_text_depth(text: str) -> int:
+    """How deep the JSON in `text` nests (brackets inside its strings not counted), without parsing it: a
+    tool call's `arguments` string is parsed later (to render the chat template, to compare histories), where
+    5,000 levels were a RecursionError and a 990-deep object failed to store."""
+    depth = top = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            top = max(top, depth)
+        elif ch in "]}":
+            depth -= 1
+    return top
+
+
 def check_json_shape(raw: bytes, data: Any) -> None:
     """Refuse bodies nested deeper than MAX_JSON_DEPTH and strings holding NUL characters (which PostgreSQL
-    can't store in text or JSONB, so SQLite and PostgreSQL would answer differently). Two scans of the raw
-    bytes at C speed decide whether the walk over the parsed value is needed at all: a body with fewer
-    brackets than the limit can't be that deep, and a NUL can only arrive as the escape `\u0000`."""
+    can't store in text or JSONB, so SQLite and PostgreSQL would answer differently), tool-call `arguments`
+    strings included (JSON text, parsed later). Two scans of the raw bytes at C speed decide whether the walk
+    over the parsed value is needed at all: a body with fewer brackets than the limit can't be that deep, nor
+    can a string in it, and a NUL can only arrive as the escape `\u0000`."""
     deep = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
     nul = b"\\u0000" in raw
     if not (deep or nul):
@@ -83,6 +108,10 @@ def check_json_shape(raw: bytes, data: Any) -> None:
             for k, v in value.items():
                 if nul and "\x00" in k:
                     raise BadRequest("request body holds a NUL character (\\u0000), which is not accepted")
+                if (deep and k == "arguments" and isinstance(v, str)
+                        and v.count("[") + v.count("{") > MAX_JSON_DEPTH and json_text_depth(v) > MAX_JSON_DEPTH):
+                    raise BadRequest(f"tool call arguments are nested more than {MAX_JSON_DEPTH} levels deep",
+                                     param="arguments")
                 stack.append((v, depth + 1))
         elif isinstance(value, list):
             if depth > MAX_JSON_DEPTH:

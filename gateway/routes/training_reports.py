@@ -34,7 +34,8 @@ class TrainedSampleBody(Strict):
     reward: float | None = None
     sequences: int = Field(default=1, ge=1, le=INT32_MAX)
     """How many sequences (chains) of the session trained."""
-    loss_tokens: int = Field(default=0, ge=0, le=2**53)
+    loss_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    """Stored in a 32-bit column (int4 on PostgreSQL): 2**31 once passed the schema and failed the insert."""
 
 
 class TrainingStepBody(Strict):

@@ -131,6 +131,9 @@ DbConnection = AsyncConnection | InLoopConnection
 
 
 def create_engine(url: str, **kw: Any) -> DbEngine:
+    # An SQL error's message leaves out the statement's parameters: they hold session ids, key hashes and
+    # content, and the message reaches the log (an error the routes did not foresee is logged whole).
+    kw.setdefault("hide_parameters", True)
     if is_sqlite(url):
         u = make_url(async_url(url))  # validated, its folder created
         if u.database and u.database != ":memory:":

@@ -95,3 +95,20 @@ def test_renewer_renews_held_batches_only() -> None:
         r.renew_now()
         r.close()
     assert renewed == ["/v1/batches/b/renew"]
+
+
+@pytest.mark.parametrize("reward", [1e308 * 10, float("-inf"), float("nan")])
+def test_a_lease_with_non_finite_rewards_or_returns_is_refused(reward: float) -> None:
+    """The probe's 1e308 rewards became float32 `inf` returns: the trainer refuses such a lease rather than train
+    on it (one inf makes every advantage of its group NaN)."""
+    from trainer.client import parse_group
+
+    good = make_group("g1", [1.0, 0.0], random.Random(0))
+    assert parse_group(good).samples
+    with pytest.raises(ValueError, match="non-finite"):
+        parse_group(make_group("g1", [reward, 0.0], random.Random(0)))
+    # a float32 overflow: a finite reward whose returns are inf on the wire
+    overflow = make_group("g1", [1e308, 0.0], random.Random(0))
+    overflow["sessions"][0]["reward"] = overflow["samples"][0]["reward"] = 1.0
+    with pytest.raises(ValueError, match="returns"):
+        parse_group(overflow)
