@@ -288,13 +288,22 @@ def test_build_contexts_and_dockerfiles_exist(config: tuple[str, dict[str, Any]]
         context = ROOT / build["context"]
         assert context.is_dir(), context
         assert (context / build["dockerfile"]).is_file(), build["dockerfile"]
-        assert set(build.get("args", {})) <= {"TORCH", "TORCH_VERSION", "EXTRAS", "USER_UID"}
+        assert set(build.get("args", {})) <= {"TORCH", "TORCH_VERSION", "EXTRAS", "USER_UID", "BASE_IMAGE",
+                                               "TORCH_WHEEL", "CA_BUNDLE"}
         assert build["args"]["TORCH"] in ("cpu", "cuda")
 
 
 def test_dockerfile() -> None:
     text = (ROOT / "docker" / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
+    # The official base by default; BASE_IMAGE for a stand-in (docker/local-images.sh). No `# syntax=` line:
+    # it makes BuildKit pull a frontend image, which an offline build cannot.
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    assert not re.search(r"^#\s*syntax=", text, re.M)
+    # docker/local/ (a torch wheel, a CA bundle) is bind-mounted, never copied into the image.
+    assert "--mount=type=bind,source=docker/local,target=/local" in text
+    assert "rm -rf /app/docker/local" in text
+    assert not re.search(r"^COPY \. ", text, re.M)
     assert re.search(r"^ARG TORCH=cpu$", text, re.M)
     for torch in ("cpu)", "cuda)", "torch==${TORCH_VERSION}", "https://download.pytorch.org/whl/cpu"):
         assert torch in text
