@@ -10,6 +10,7 @@ the exit codes on `stop`) and, on any failure, `docker compose ps` and `docker c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -31,8 +32,9 @@ PROJECT = "rollway-e2e"  # its own containers, network and volumes: a user's `ro
 ADMIN = "rw-admin-compose-e2e-0123456789abcdef"
 LONG_RUNNING = {"postgres", "sglang", "gateway", "trainer", "runner"}
 ONE_SHOT = {"migrate", "init-model"}
-# Exit codes on `docker compose stop` (SIGTERM), as docker-compose.yml documents them.
-STOP_CODES = {"postgres": 0, "sglang": 0, "gateway": 143, "trainer": 143, "runner": 143}
+# Exit codes on `docker compose stop`, as docker-compose.yml documents them: PostgreSQL gets SIGINT (its image's
+# STOPSIGNAL, a fast shutdown) and exits 0; rollway's commands get SIGTERM, shut down and end by the signal (143).
+STOP_CODES = {"postgres": 0, "sglang": 143, "gateway": 143, "trainer": 143, "runner": 143}
 GRACE_S = {"trainer": 60.0}  # stop_grace_period; 10 s for the others
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -186,19 +188,30 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     ]))
     s = Stack(env_file, port)
     s.compose("down", "-v", "--remove-orphans", timeout=300)  # a clean start: nothing left from an aborted run
-    ok = False
     try:
         yield s
-        ok = True
     finally:
-        if not ok:
-            print(s.compose("ps", "-a", check=False).stdout, flush=True)
-            logs = s.compose("logs", "--no-color", "--timestamps", check=False, timeout=300)
-            print(logs.stdout[-200_000:], logs.stderr[-5000:], flush=True)
         s.compose("down", "-v", "--remove-orphans", timeout=300, check=False)
 
 
+@contextlib.contextmanager
+def diagnostics(stack: Stack) -> Iterator[None]:
+    """On any failure: `docker compose ps` and every service's log, before the fixture removes the stack."""
+    try:
+        yield
+    except BaseException:
+        print(stack.compose("ps", "-a", check=False).stdout, flush=True)
+        logs = stack.compose("logs", "--no-color", "--timestamps", check=False, timeout=300)
+        print(logs.stdout[-200_000:], logs.stderr[-5000:], flush=True)
+        raise
+
+
 def test_compose_stack_builds_serves_trains_resumes_and_stops(stack: Stack) -> None:
+    with diagnostics(stack):
+        _builds_serves_trains_resumes_and_stops(stack)
+
+
+def _builds_serves_trains_resumes_and_stops(stack: Stack) -> None:
     t_test = time.monotonic()
     t0 = time.monotonic()
     stack.compose("build", timeout=1800)
