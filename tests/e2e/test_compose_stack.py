@@ -14,6 +14,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -263,9 +264,10 @@ def _builds_serves_trains_resumes_and_stops(stack: Stack) -> None:
     log("viewer: /ui answers after sign-in")
 
     # down, then up on the same volumes: the store and the checkpoints are still there; the trainer resumes.
+    before = stack.weights()["version"]
     t0 = time.monotonic()
     stack.compose("down", timeout=300)
-    log(f"down: {time.monotonic() - t0:.0f} s")
+    log(f"down: {time.monotonic() - t0:.0f} s (version {before} or later published)")
     t0 = time.monotonic()
     stack.compose("up", "-d", timeout=900)
     stack.wait_healthy()
@@ -273,12 +275,16 @@ def _builds_serves_trains_resumes_and_stops(stack: Stack) -> None:
     for gid, ids, rewards in groups:
         assert stack.get(f"/v1/groups/{gid}")["state"] == "trained"
         assert stack.get(f"/v1/sessions/{ids[0]}")["reward"] == rewards[0]
-    assert stack.weights()["version"] == version or stack.weights()["version"] > version
     resumed = stack.wait("trainer log says it resumed", lambda: [
         ln for ln in stack.compose("logs", "--no-color", "trainer").stdout.splitlines()
-        if "rank(s) on cpu" in ln and ", checkpoint /checkpoints/run/" in ln], 300)
+        if "rank(s) on cpu" in ln and ", checkpoint /checkpoints/run/checkpoints/step_" in ln], 300)
     log(f"trainer: {resumed[-1].strip()}")
-    stack.wait("a publish after the resume", lambda: stack.weights()["version"] > version, 900)
+    m = re.search(r"\(step (\d+), version (\d+)", resumed[-1])
+    assert m and int(m[1]) >= max(int(x.removeprefix("step_")) for x in steps) and int(m[2]) >= before, resumed
+    at_resume = stack.weights()["version"]
+    assert at_resume >= before
+    stack.wait(f"a publish after the resume (above version {at_resume})",
+               lambda: stack.weights()["version"] > at_resume, 900)
     log(f"published after the resume: {stack.weights()}")
 
     # stop: SIGTERM, every service exits with its documented code within its grace period.
