@@ -193,6 +193,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
     finally:
         s.compose("down", "-v", "--remove-orphans", timeout=300, check=False)
+        # Compose builds the image once per service that builds it: all but the tagged one are left dangling.
+        # Only this project's go; the tagged image and the build cache stay, for the next run.
+        subprocess.run(["docker", "image", "prune", "-f", "--filter", f"label=com.docker.compose.project={PROJECT}"],
+                       capture_output=True, timeout=300)
 
 
 @contextlib.contextmanager
