@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -148,8 +149,16 @@ def run_agent(stack: Stack, tasks: list[dict[str, Any]], n: int = 4) -> list[tup
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with contextlib.ExitStack() as stack_lock:
+        yield from _stack(tmp_path_factory, stack_lock)
+
+
+def _stack(tmp_path_factory: pytest.TempPathFactory, stack_lock: contextlib.ExitStack) -> Iterator[Stack]:
     if os.geteuid() != 0 and not shutil.which("docker"):
         pytest.skip("needs root (to install Docker) or a Docker engine with Compose v2")
+    # One run at a time on a machine (the project name is fixed, so that a run cleans up after an aborted one).
+    lock = stack_lock.enter_context(open("/tmp/rollway-compose-e2e.lock", "w"))
+    fcntl.flock(lock, fcntl.LOCK_EX)
     t0 = time.monotonic()
     setup = subprocess.run([str(REPO / ".ci" / "docker_setup.sh")], capture_output=True, text=True, timeout=1200)
     print(setup.stderr, flush=True)
