@@ -189,8 +189,8 @@ def mount(v: Any) -> dict[str, Any]:
     return {"source": source, "target": target, "read_only": ro, "named": named}
 
 
-def project(with_cpu: bool) -> dict[str, Any]:
-    env = stack_env()
+def project(with_cpu: bool, **extra_env: str) -> dict[str, Any]:
+    env = {**stack_env(), **extra_env}
     doc = interpolate(load(BASE), env)
     if with_cpu:
         doc = merge(doc, interpolate(load(CPU), env))
@@ -288,13 +288,22 @@ def test_build_contexts_and_dockerfiles_exist(config: tuple[str, dict[str, Any]]
         context = ROOT / build["context"]
         assert context.is_dir(), context
         assert (context / build["dockerfile"]).is_file(), build["dockerfile"]
-        assert set(build.get("args", {})) <= {"TORCH", "TORCH_VERSION", "EXTRAS", "USER_UID"}
+        assert set(build.get("args", {})) <= {"TORCH", "TORCH_VERSION", "EXTRAS", "USER_UID", "BASE_IMAGE",
+                                               "TORCH_WHEEL", "CA_BUNDLE"}
         assert build["args"]["TORCH"] in ("cpu", "cuda")
 
 
 def test_dockerfile() -> None:
     text = (ROOT / "docker" / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
+    # The official base by default; BASE_IMAGE for a stand-in (docker/local-images.sh). No `# syntax=` line:
+    # it makes BuildKit pull a frontend image, which an offline build cannot.
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    assert not re.search(r"^#\s*syntax=", text, re.M)
+    # docker/local/ (a torch wheel, a CA bundle) is bind-mounted, never copied into the image.
+    assert "--mount=type=bind,source=docker/local,target=/local" in text
+    assert "rm -rf /app/docker/local" in text
+    assert not re.search(r"^COPY \. ", text, re.M)
     assert re.search(r"^ARG TORCH=cpu$", text, re.M)
     for torch in ("cpu)", "cuda)", "torch==${TORCH_VERSION}", "https://download.pytorch.org/whl/cpu"):
         assert torch in text
@@ -612,3 +621,70 @@ def test_docker_compose_config(tmp_path: Path) -> None:
     for secret in SECRETS:
         r = run_config([BASE], {k: v for k, v in stack_env().items() if k != secret})
         assert r.returncode != 0 and secret in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------- the GPU and CPU profiles kept in step
+# The GPU profile (the real SGLang image, NVIDIA devices) cannot start without GPUs; the CPU profile is the one
+# tests/e2e/test_compose_stack.py starts. Every difference between the two is listed here, so that a change to
+# one profile that the other does not follow (a new env variable, volume, dependency) fails this test.
+
+CPU_ONLY_SERVICES = {"init-model"}
+# (service, key): the only attributes that differ between the profiles.
+PROFILE_DIFFERENCES = {
+    ("sglang", "image"),  # lmsysorg/sglang vs rollway:cpu
+    ("sglang", "build"),  # the CPU engine is built from docker/Dockerfile
+    ("sglang", "entrypoint"),  # sglang.launch_server vs rollway
+    ("sglang", "command"),
+    ("sglang", "deploy"),  # GPU reservations
+    ("sglang", "ulimits"),  # memlock/stack for pinned GPU memory
+    ("sglang", "healthcheck"),  # start_period only (checked below)
+    ("sglang", "depends_on"),  # + init-model
+    ("trainer", "image"),  # rollway:cuda vs rollway:cpu
+    ("trainer", "build"),  # TORCH and its wheel only (checked below)
+    ("trainer", "deploy"),
+}
+
+
+def _volume_map(svc: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    return {m["target"]: (m["source"], m["read_only"]) for m in map(mount, svc.get("volumes", []))}
+
+
+def test_gpu_and_cpu_profiles_differ_only_where_listed() -> None:
+    # Every variable set (to a value of its own), so that a build argument taken from the wrong one shows.
+    env = {name: f"<{name}>" for name in env_example() if not env_example()[name]}
+    gpu, cpu = project(False, **env), project(True, **env)
+    assert set(cpu["services"]) == set(gpu["services"]) | CPU_ONLY_SERVICES
+    assert set(cpu["volumes"]) == set(gpu["volumes"]) | {"tiny-model"}
+    found = set()
+    for name, g in gpu["services"].items():
+        c = cpu["services"][name]
+        for key in set(g) | set(c):
+            if key == "volumes":
+                continue  # below: only /models may differ
+            if g.get(key) != c.get(key):
+                found.add((name, key))
+        gv, cv = _volume_map(g), _volume_map(c)
+        assert set(gv) == set(cv), (name, gv, cv)
+        for target in gv:
+            if target == "/models":  # MODEL_DIR vs the tiny model's volume, each as read-only as the other
+                assert cv[target] == ("tiny-model", gv[target][1]), (name, cv[target])
+            else:
+                assert gv[target] == cv[target], (name, target, gv[target], cv[target])
+    assert found == PROFILE_DIFFERENCES, (
+        f"differ but not listed: {sorted(found - PROFILE_DIFFERENCES)}; "
+        f"listed but equal: {sorted(PROFILE_DIFFERENCES - found)}")
+    # The details of the listed differences.
+    g_hc, c_hc = gpu["services"]["sglang"]["healthcheck"], cpu["services"]["sglang"]["healthcheck"]
+    assert {k: v for k, v in g_hc.items() if k != "start_period"} == {
+        k: v for k, v in c_hc.items() if k != "start_period"}
+    deps = cpu["services"]["sglang"]["depends_on"]
+    assert deps == {**gpu["services"]["sglang"].get("depends_on", {}),
+                    "init-model": {"condition": "service_completed_successfully"}}
+    g_args, c_args = (p["services"]["trainer"]["build"]["args"] for p in (gpu, cpu))
+    assert {k: v for k, v in g_args.items() if k not in ("TORCH", "TORCH_WHEEL")} == {
+        k: v for k, v in c_args.items() if k not in ("TORCH", "TORCH_WHEEL")}
+    assert (g_args["TORCH"], c_args["TORCH"]) == ("cuda", "cpu")
+    # One rollway:cpu image in the CPU profile: every service that builds it builds it the same way.
+    builds = {json.dumps(s["build"], sort_keys=True) for s in cpu["services"].values() if "build" in s}
+    images = {s["image"] for s in cpu["services"].values() if "build" in s}
+    assert len(builds) == 1 and len(images) == 1, (images, builds)
