@@ -38,7 +38,7 @@ async def ready(request: Request) -> Response:
         seen = request.app.state.ready_backends_seen = set()
     routed = [b for b in backends if b.healthy]
     unseen = [b for b in routed if b.id not in seen]
-    for backend, ok in zip(unseen, await asyncio.gather(*(b.client.health() for b in unseen)), strict=True):
+    for backend, ok in zip(unseen, await asyncio.gather(*(b.client.probe() for b in unseen)), strict=True):
         if ok:
             seen.add(backend.id)
     healthy = sum(1 for b in routed if b.id in seen)
