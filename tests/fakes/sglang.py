@@ -116,6 +116,8 @@ class FakeSGLang:
         """Weight loads in progress (/update_weights_from_disk, /update_weights_from_distributed)."""
         self.health_probes: list[str] = []
         """The liveness paths called (/health, /ping, /ready), in order."""
+        self.health_while_busy = 0
+        """/health calls that arrived while paused or loading (each blocks, and may mark the server unhealthy)."""
         # The weight-update session of SGLang 0.5.21+ (srt/managers/scheduler_components/weight_updater.py
         # `begin_weight_update`, `end_weight_update`): /update_weights_from_distributed refuses to run outside one.
         # weight_session=False is a server before 0.5.21: neither route, no session demanded, /server_info 0.5.20.
@@ -531,6 +533,7 @@ class FakeSGLang:
         self.health_probes.append(request.url.path)
         if not self.healthy:
             return Response(status_code=503)
+        self.health_while_busy += self.paused is not None or self.loading > 0
         deadline = asyncio.get_running_loop().time() + self.health_check_timeout
         while self.paused is not None or self.loading:  # the one-token generation waits, as a request would
             if asyncio.get_running_loop().time() >= deadline:
