@@ -29,7 +29,7 @@ def codes(url: str) -> dict[str, int]:
 
 def test_health_waits_out_a_pause_then_marks_the_server_unhealthy(served: tuple[LiveServer, Any],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    server, engine = served
+    server, _ = served
     monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")  # read per request; the server runs in this process
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
     assert codes(server.url) == {"/ping": 200, "/ready": 200}
