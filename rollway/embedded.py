@@ -159,6 +159,7 @@ class EngineSupervisor:
         self.restarts = 0
         self.last_death: str | None = None
         self.last_restart_at: float | None = None
+        self._died_at = 0.0
         self._loop: Any = None
         self._pool: Any = None
 
@@ -241,7 +242,7 @@ class EngineSupervisor:
             delay = self._backoff[0]
 
     def _died(self, reason: str) -> None:
-        self.state, self.last_death = "restarting", reason
+        self.state, self.last_death, self._died_at = "restarting", reason, time.monotonic()
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 self._proc.kill()  # wedged: answers no probe
@@ -264,8 +265,10 @@ class EngineSupervisor:
         self.restarts += 1
         self.last_restart_at = time.time()
         self.state = "running"
-        print(f"rollway serve: the embedded engine is back at {self.url} (restart {self.restarts}); the gateway "
-              "loads the current weights into it before routing to it", file=sys.stderr, flush=True)
+        down = time.monotonic() - self._died_at
+        print(f"rollway serve: the embedded engine is back at {self.url} (restart {self.restarts}, {down:.1f}s after "
+              "it died); the gateway loads the current weights into it before routing to it", file=sys.stderr,
+              flush=True)
         if self._loop is not None and self._pool is not None:
             self._loop.call_soon_threadsafe(self._admit)
         return True

@@ -66,6 +66,7 @@ async def _agent(cred: dict[str, Any], i: int, stop: asyncio.Event, stats: dict[
             except Exception as e:  # an agent-visible error: what this test counts
                 stats["errors"].append(f"{type(e).__name__}: {e}"[:300])
                 stats.setdefault("error_at", []).append(time.monotonic())
+                await asyncio.sleep(0.5)  # as an agent told Retry-After would, rather than spin on 503s
     finally:
         await client.close()
 
