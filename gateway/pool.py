@@ -276,7 +276,7 @@ class BackendPool:
             if not ok:
                 backend.health_misses += 1
                 if backend.health_misses >= self.health_misses:
-                    self.mark_failed(backend, f"{backend.health_misses} liveness probes failed in a row")
+                    self.mark_failed(backend, f"{backend.health_misses} health checks failed in a row")
                 continue
             backend.health_misses = 0
             if backend.client.resume_pending:  # a publish ended while it did not answer: resume it now
