@@ -293,3 +293,30 @@ def test_requests_parked_during_a_failed_sync_are_never_served_from_the_mix(tiny
             turn = gw.session(cred["session_id"])["turns"][0]
             assert set(turn["versions"]) == {1}, turn["versions"]  # every token from a whole version 1
         assert health(gw)[b.url]["healthy"] is False, b_id
+
+
+def test_the_session_routes_are_found_by_version_or_by_a_404() -> None:
+    """`/server_info`'s version says whether a server has the weight-update session (0.5.21+); a server that reports
+    no usable version but lacks the routes answers begin with a 404, and is then updated without one."""
+    import asyncio
+
+    import aiohttp
+
+    from gateway.sglang import SGLangClient, _has_weight_session
+
+    assert [_has_weight_session(v) for v in ("0.5.20", "0.5.21", "0.5.23+rollway", "0.6.0", "0.4.10-fake", "dev")] \
+        == [False, True, True, True, False, True]
+
+    async def run(fake: FakeSGLang, known: bool | None) -> tuple[bool, bool | None]:
+        async with aiohttp.ClientSession() as http:
+            client = SGLangClient(http, fake.url)
+            client.weight_session = known
+            opened = await client.weight_session_open(5.0)
+            client.close()
+            return opened, client.weight_session
+
+    with FakeSGLang(weight_session=False) as old, FakeSGLang() as new:
+        assert asyncio.run(run(old, None)) == (False, False)  # by its version, 0.5.20: begin never sent
+        assert "/begin_weight_update" not in [p for p, _ in old.calls]
+        assert asyncio.run(run(old, True)) == (False, False)  # told otherwise: the 404 on begin decides
+        assert asyncio.run(run(new, None)) == (True, True) and new.session_open
