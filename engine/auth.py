@@ -26,6 +26,7 @@ ADMIN_ROUTES = frozenset({
     "/abort_request", "/pause_generation", "/continue_generation", "/update_weights_from_disk",
     "/update_weight_version", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter",
     "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
+    "/begin_weight_update", "/end_weight_update",
 })
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 

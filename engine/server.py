@@ -27,6 +27,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from engine.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys, add_key_arguments
 from engine.grammar import GrammarCompiler, GrammarError, grammar_key
+from engine.liveness import Liveness, add_liveness_routes
 from engine.lora import (
     REQUEST_ADAPTER,
     LoRAError,
@@ -45,6 +46,8 @@ from engine.weights import load_like, load_model
 log = logging.getLogger(__name__)
 
 VERSION = "0.5.23+rollway"  # the SGLang API level this engine speaks, PEP 440 local to mark it ours
+PRE_SESSION_VERSION = "0.5.20+rollway"
+"""What it reports with `weight_update_session=False`: an SGLang before /begin_weight_update and /end_weight_update."""
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -59,8 +62,11 @@ class Engine:
         max_batch_size: int,
         context_length: int | None,
         incremental_streaming_output: bool,
+        weight_update_session: bool = True,
     ) -> None:
         self.model_path = str(model_dir)
+        self.liveness = Liveness()
+        self.weight_update_session = weight_update_session
         self.tokenizer_path = str(model_dir)
         self.served_model_name = served_model_name or Path(model_dir).name
         self.incremental_streaming_output = incremental_streaming_output
@@ -148,7 +154,7 @@ class Engine:
             "incremental_streaming_output": self.incremental_streaming_output,
             "skip_tokenizer_init": False,
             "weight_version": self.scheduler.weight_version,
-            "version": VERSION,
+            "version": VERSION if self.weight_update_session else PRE_SESSION_VERSION,
         }
 
 
@@ -170,14 +176,18 @@ def create_app(
     lora: LoRAOptions | None = None,
     api_key: str = "",
     admin_api_key: str = "",
+    weight_update_session: bool = True,
 ) -> FastAPI:
-    """`api_key` / `admin_api_key`: SGLang's `--api-key` / `--admin-api-key` scheme (engine.auth); empty: open."""
+    """`api_key` / `admin_api_key`: SGLang's `--api-key` / `--admin-api-key` scheme (engine.auth); empty: open.
+    `weight_update_session=False` serves as SGLang before 0.5.21: no /begin_weight_update, /end_weight_update,
+    and /update_weights_from_distributed runs without a session."""
     engine = Engine(
         model_dir,
         served_model_name=served_model_name,
         max_batch_size=max_batch_size,
         context_length=context_length,
         incremental_streaming_output=incremental_streaming_output,
+        weight_update_session=weight_update_session,
     )
 
     @asynccontextmanager
@@ -194,6 +204,7 @@ def create_app(
     add_lora_routes(app, engine)
     _add_error_handlers(app)
     _add_routes(app, engine)
+    add_liveness_routes(app, engine)
     add_weight_sync_routes(app, engine, _json_body)  # the process-group path (gloo)
     app.add_middleware(GenerateRoute, engine=engine)
     if api_key or admin_api_key:  # added last: the outermost, before /generate's fast path too
@@ -316,16 +327,22 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
         mode = (await _json_body(request)).get("mode") or "abort"
         if mode not in PAUSE_MODES:
             raise InvalidRequest(f"mode must be one of {', '.join(PAUSE_MODES)}")
+        engine.liveness.paused = True
         await asyncio.wrap_future(scheduler.pause(mode))
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request) -> dict[str, str]:
         await asyncio.wrap_future(scheduler.resume())
+        engine.liveness.paused = False
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
+        with engine.liveness.loads():  # /health waits while weights load, as SGLang's does
+            return await _update_weights_from_disk(request)
+
+    async def _update_weights_from_disk(request: Request) -> JSONResponse:
         body = await _json_body(request)
         path = body.get("model_path")
         try:
@@ -384,12 +401,6 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
         if await asyncio.wrap_future(scheduler.busy()):
             return Response("Cache not flushed: requests are running.", status_code=400)
         return Response("Cache flushed.", status_code=200)
-
-    @app.get("/health")
-    @app.get("/health_generate")
-    async def health() -> Response:
-        scheduler.start()
-        return Response(status_code=200 if scheduler.alive else 503)
 
 
 async def _grammar_abort(spec: GenerateSpec, message: str) -> AsyncGenerator[str, None]:

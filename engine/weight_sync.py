@@ -111,6 +111,22 @@ class WeightSync:
         self.engine = engine
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._lock = asyncio.Lock()  # one update at a time: buckets must be received in the order sent
+        self.session_open = False
+        """SGLang 0.5.21+'s weight-update session (srt/managers/scheduler_components/weight_updater.py
+        `begin_weight_update`, `end_weight_update`): an update outside one is refused, when the engine demands it
+        (`engine.weight_update_session`, else it serves as SGLang before 0.5.21, without the routes)."""
+
+    def begin(self) -> tuple[bool, str]:
+        if self.session_open:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.session_open = True
+        return True, "Success"
+
+    def end(self) -> tuple[bool, str]:
+        if not self.session_open:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session_open = False
+        return True, "Success"
 
     async def init_group(self, body: dict[str, Any]) -> tuple[bool, str]:
         name = str(body.get("group_name") or DEFAULT_GROUP)
@@ -151,13 +167,17 @@ class WeightSync:
                 raise ValueError(f"unknown load_format {load_format!r}")
         except (KeyError, TypeError, ValueError) as e:
             return False, f"Bad request: {e}"
+        if getattr(self.engine, "weight_update_session", False) and not self.session_open:
+            return False, ("update_weights_from_distributed must run between begin_weight_update() and "
+                           "end_weight_update()")
         scheduler = self.engine.scheduler
         async with self._lock:
             try:
                 if body.get("abort_all_requests"):
                     await asyncio.wrap_future(scheduler.abort(None))
-                tensors = await asyncio.to_thread(receive, pg, dtypes, shapes, load_format == "flattened_bucket")
-                await asyncio.wrap_future(scheduler.call(lambda: _load(scheduler.model, names, tensors)))
+                with self.engine.liveness.loads():  # /health waits while weights load, as SGLang's does
+                    tensors = await asyncio.to_thread(receive, pg, dtypes, shapes, load_format == "flattened_bucket")
+                    await asyncio.wrap_future(scheduler.call(lambda: _load(scheduler.model, names, tensors)))
             except Exception as e:  # timed out, peer gone, unknown name: the model may hold a mix now
                 log.error("update from group %s failed: %s", name, e)
                 return False, (f"Failed to update parameter online: {type(e).__name__}: {e}. The full weights of the "
@@ -194,6 +214,17 @@ def add_routes(app: FastAPI, engine: Any, json_body: Any) -> WeightSync:
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         return answer(await sync.update(await json_body(request)))
+
+    if getattr(engine, "weight_update_session", False):
+        @app.post("/begin_weight_update")
+        async def begin_weight_update(request: Request) -> JSONResponse:
+            await json_body(request)  # {"selector": "target"|"draft"|"all"}: one model here
+            return answer(sync.begin())
+
+        @app.post("/end_weight_update")
+        async def end_weight_update(request: Request) -> JSONResponse:
+            await json_body(request)
+            return answer(sync.end())
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:

@@ -156,6 +156,9 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
             reasoning=settings.reasoning, chat_template_kwargs=settings.chat_template_kwargs,
         )
         await pool.start()
+        supervisor = getattr(app.state, "engine_supervisor", None)
+        if supervisor is not None:  # `rollway serve`'s embedded engine (rollway/embedded.py): deaths and restarts
+            supervisor.attach(asyncio.get_running_loop(), pool)
         sweeper = asyncio.create_task(_sweep_idle(store, settings.session_idle_timeout_s))
         app.state.registry = registry
         follower = asyncio.create_task(app.state.registry.follow(settings.health_interval_s))

@@ -11,7 +11,8 @@ Routing, in `pick`:
 `run_with_failover` (and `stream_with_failover`, which fails over only before the first chunk) retries
 on another healthy backend when one raises `BackendUnavailable`, marking it failed; the health loop
 brings it back once `/health` answers 200 and the optional `on_recover` hook (e.g. loading the current
-weights) succeeded. When every backend was tried: `NoBackendAvailable` (the app answers 503 +
+weights) succeeded. The health loop probes liveness by one policy (`SGLangClient.probe`, docs/architecture.md
+"Liveness"): never `/health` on a server the gateway paused. When every backend was tried: `NoBackendAvailable` (the app answers 503 +
 Retry-After).
 """
 
@@ -266,10 +267,11 @@ class BackendPool:
                 log.exception("backend health round failed")
 
     async def check_health(self) -> None:
-        """One round: probe every backend; fail the silent ones, admit the recovered ones."""
+        """One round: probe every backend (`SGLangClient.probe`: /ping while we have it paused, /health otherwise);
+        fail the silent ones, resume those whose continue failed, admit the recovered ones."""
         backends = self.backends()
-        results = await asyncio.gather(*(b.client.health() for b in backends))
-        back = []
+        results = await asyncio.gather(*(b.client.probe() for b in backends))
+        back, resume = [], []
         for backend, ok in zip(backends, results, strict=True):
             if not ok:
                 backend.health_misses += 1
@@ -277,16 +279,25 @@ class BackendPool:
                     self.mark_failed(backend, f"{backend.health_misses} health checks failed in a row")
                 continue
             backend.health_misses = 0
-            if not backend.healthy and backend.id in self._backends:
+            if backend.client.resume_pending:  # a publish ended while it did not answer: resume it now
+                resume.append(backend)
+            elif not backend.healthy and not backend.client.paused and backend.id in self._backends:
                 back.append(backend)
+        await asyncio.gather(*(self._resume(b) for b in resume))
         await asyncio.gather(*(self._recover(b) for b in back))
+
+    async def _resume(self, backend: Backend) -> None:
+        try:
+            await backend.client.continue_()
+        except BackendError as e:  # recovery: the next round tries again
+            backend.last_error = f"continue_generation: {e}"
 
     async def admit(self, backends: list[Backend]) -> None:
         """Admit these (new, unhealthy) backends now rather than at the next health round: each that answers
         /health is brought up by `on_recover` and put in rotation; the others are left to the health loop."""
-        results = await asyncio.gather(*(b.client.health() for b in backends))
+        results = await asyncio.gather(*(b.client.probe() for b in backends))
         await asyncio.gather(*(self._recover(b) for b, ok in zip(backends, results, strict=True)
-                               if ok and not b.healthy and b.id in self._backends))
+                               if ok and not b.healthy and not b.client.paused and b.id in self._backends))
 
     async def _recover(self, backend: Backend) -> None:
         if self._on_recover is not None:
@@ -304,7 +315,9 @@ class BackendPool:
         return await self._fan_out(lambda b: b.client.pause(mode))
 
     async def continue_all(self) -> dict[str, BackendError | None]:
-        return await self._fan_out(lambda b: b.client.continue_())
+        """Resume every backend we paused, in rotation or not: one taken out during the pause (a missed probe, a
+        failed load) would otherwise stay paused, and the agents' calls parked on it hang."""
+        return await self._fan_out(lambda b: b.client.continue_(), every_paused=True)
 
     async def update_all(self, model_path: str, version: str) -> dict[str, BackendError | None]:
         """Load weights on every healthy backend in parallel. A backend that failed keeps serving the
@@ -316,8 +329,10 @@ class BackendPool:
 
         return await self._fan_out(update)
 
-    async def _fan_out(self, fn: Callable[[Backend], Awaitable[None]]) -> dict[str, BackendError | None]:
-        """fn on every healthy backend at once; backend id -> its error, or None on success."""
+    async def _fan_out(self, fn: Callable[[Backend], Awaitable[None]],
+                       every_paused: bool = False) -> dict[str, BackendError | None]:
+        """fn on every healthy backend at once (and, with `every_paused`, on every one we paused); backend id -> its
+        error, or None on success."""
 
         async def one(b: Backend) -> BackendError | None:
             try:
@@ -326,6 +341,6 @@ class BackendPool:
                 return e
             return None
 
-        targets = [b for b in self._backends.values() if b.healthy]
+        targets = [b for b in self._backends.values() if b.healthy or (every_paused and b.client.paused)]
         results = await asyncio.gather(*(one(b) for b in targets))
         return {b.id: err for b, err in zip(targets, results, strict=True)}

@@ -25,6 +25,8 @@ only the new tokens of each chunk. The mode is read per chunk and per list from
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -34,6 +36,7 @@ import orjson
 
 from gateway.http1 import BadResponse, Http1Client
 
+log = logging.getLogger(__name__)
 PauseMode = Literal["abort", "retract", "in_place"]
 _JSON_HEADERS = {"Content-Type": "application/json"}
 NORMAL_ROUTES = frozenset({"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info"})
@@ -119,6 +122,13 @@ class SGLangClient:
         self._gen_timeout = self._read_timeout(read_timeout)
         self._control_timeout = aiohttp.ClientTimeout(total=control_timeout, sock_connect=connect_timeout)
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout, sock_connect=connect_timeout)
+        self.paused = False
+        """Set when this client sent `/pause_generation`, cleared once `/continue_generation` succeeded: while it is
+        set the liveness probe is `/ping`, never `/health` (which blocks on a paused server, `probe`)."""
+        self.resume_pending = False
+        """A `/continue_generation` was sent after a pause and has not succeeded yet (the server was unreachable)."""
+        self.weight_session: bool | None = None
+        """Whether the server has `/begin_weight_update` (SGLang 0.5.21+): None until known (`weight_session_open`)."""
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
@@ -145,7 +155,7 @@ class SGLangClient:
         obj = _loads(data, "/generate")
         if not isinstance(obj, dict):
             raise BackendError("/generate answered a list: send one prompt with n = 1")
-        result = _parse(obj, GenResult)
+        result = _whole(_parse(obj, GenResult), self.url)
         if (error := _abort_error(result.finish_reason)) is not None:
             raise error
         return result
@@ -175,7 +185,7 @@ class SGLangClient:
                     raise BackendUnavailable(f"{self.url}/generate: a stream event that is not an object")
                 if "error" in obj:
                     raise _event_error(obj)
-                chunk = _chunk(obj, seen)
+                chunk = _whole(_chunk(obj, seen), self.url)
                 if (error := _abort_error(chunk.finish_reason)) is not None:
                     raise error
                 seen += len(chunk.output_ids)
@@ -197,10 +207,13 @@ class SGLangClient:
         await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
 
     async def pause(self, mode: PauseMode = "abort") -> None:
+        self.paused, self.resume_pending = True, False  # before the call: one that timed out may still take effect
         await self._call("POST", "/pause_generation", {"mode": mode})
 
     async def continue_(self) -> None:
+        self.resume_pending = True  # until it succeeds: the health loop tries again once the server answers
         await self._call("POST", "/continue_generation", {})
+        self.paused = self.resume_pending = False
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str, *, abort_all_requests: bool = False
@@ -240,6 +253,36 @@ class SGLangClient:
             raise BackendRejected(200, _error_message(orjson.dumps(obj)))
         return obj
 
+    async def weight_session_open(self, timeout: float) -> bool:
+        """`POST /begin_weight_update`, which SGLang 0.5.21+ demands around `/update_weights_from_distributed` and
+        `/update_weights_from_tensor` (`srt/managers/scheduler_components/weight_updater.py`). True when a session
+        is now open; False for a server without the routes (older than 0.5.21 by `/server_info`'s `version`, or a
+        404 on begin), which takes the updates without one. A session left open (a publisher that died
+        mid-session: "already open") is ended and begun again, once. BackendRejected if it still refuses."""
+        if self.weight_session is None:
+            try:
+                self.weight_session = _has_weight_session(str((await self.server_info()).get("version") or ""))
+            except BackendError:  # no server info: the 404 on begin decides
+                self.weight_session = True
+        if not self.weight_session:
+            return False
+        try:
+            await self.weight_call("/begin_weight_update", {}, timeout)
+        except BackendRejected as e:
+            if e.status == 404:
+                self.weight_session = False
+                return False
+            if "already open" not in e.message:
+                raise
+            log.warning("%s: a weight-update session was left open; ending it and beginning again", self.url)
+            await self.weight_call("/end_weight_update", {}, timeout)
+            await self.weight_call("/begin_weight_update", {}, timeout)
+        return True
+
+    async def weight_session_close(self, timeout: float) -> None:
+        """`POST /end_weight_update` (after a failed update too: a session left open refuses the next begin)."""
+        await self.weight_call("/end_weight_update", {}, timeout)
+
     async def model_info(self) -> dict[str, Any]:
         return await self._get_json("/model_info", "/get_model_info")
 
@@ -255,6 +298,24 @@ class SGLangClient:
                 return resp.status == 200
         except (*_TRANSPORT_ERRORS, aiohttp.ClientError, ValueError):  # recovery: unreachable, or a URL no
             return False  # client can use (a registry row written before URLs were checked) is not healthy
+
+    async def ping(self) -> bool:
+        """Liveness: True iff GET /ping answers 200 (SGLang 0.5.20+: a flag check, 200 while paused; 503 once the
+        server was marked unhealthy or shuts down). A server without /ping (404) is alive if it answers at all."""
+        try:
+            async with self._session.get(self.url + "/ping", timeout=self._health_timeout,
+                                         headers=self._normal_headers) as resp:  # a NORMAL route: the API key
+                await resp.read()
+                return resp.status in (200, 404)
+        except (*_TRANSPORT_ERRORS, aiohttp.ClientError, ValueError):  # recovery: not alive
+            return False
+
+    async def probe(self) -> bool:
+        """The liveness policy (docs/architecture.md "Liveness"): `/ping` while this client has the server paused
+        (SGLang's `/health` runs a one-token generation, which waits out a pause or a weight load for
+        SGLANG_HEALTH_CHECK_TIMEOUT = 20 s, then answers 503 and marks the server unhealthy, after which `/ping`
+        and `/ready` answer 503 too); `/health` otherwise, which also proves the server generates."""
+        return await (self.ping() if self.paused else self.health())
 
     async def flush_cache(self) -> bool:
         """Flush the prefix cache. False when the server refused because requests are running."""
@@ -365,6 +426,20 @@ class _SSEReader:
         return True
 
 
+PARTIAL = "-partial"
+"""The suffix of the version a server reports while it holds part of an update (gateway/weight_sync.py marks it)."""
+
+
+def _whole(res: _R, url: str) -> _R:
+    """`res`, unless a server holding part of an update produced it: requests parked in SGLang's tokenizer manager
+    during a pause are out of reach of `abort_all` and run once it continues, on a mix of two versions. Such tokens
+    are never served nor recorded: BackendUnavailable takes the backend out and the reply goes on elsewhere."""
+    if res.weight_version is not None and res.weight_version.endswith(PARTIAL):
+        raise BackendUnavailable(f"{url} generated on a partially updated model (version {res.weight_version}): "
+                                 "its tokens are discarded")
+    return res
+
+
 def _event_data(event: bytes) -> bytes | None:
     lines = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
@@ -421,6 +496,19 @@ def _loads(data: bytes, where: str) -> Any:
         return orjson.loads(data)
     except orjson.JSONDecodeError as e:  # as in _parse: the server failing, not the request
         raise BackendUnavailable(f"{where}: not JSON: {data[:200]!r}") from e
+
+
+WEIGHT_SESSION_SINCE = (0, 5, 21)
+"""The first SGLang with `/begin_weight_update` and `/end_weight_update`, and the demand for them."""
+
+
+def _has_weight_session(version: str) -> bool:
+    """Whether a server of this `/server_info` version has the weight-update session (an unknown one: assume so,
+    a 404 on begin says otherwise)."""
+    parts = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    if parts is None:
+        return True
+    return tuple(int(x) for x in parts.groups()) >= WEIGHT_SESSION_SINCE
 
 
 def _error_message(body: bytes) -> str:

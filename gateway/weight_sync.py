@@ -5,8 +5,9 @@
         -> {sync_id, groups: [{group_name, world_size, backend_id}]}     the publish lock is now held for the trainer
     POST /v1/weights/sync {sync_id, version, ports, buckets, batch_ids, results}
         pause the backends; on each, concurrently with the others and with the trainer's broadcasts:
-        mark it "<v>-partial" (/update_weight_version), join its group (/init_weights_update_group), one
-        /update_weights_from_distributed per bucket (the version named on the last), leave the group; then continue
+        mark it "<v>-partial" (/update_weight_version), join its group (/init_weights_update_group), open a
+        weight-update session (/begin_weight_update, SGLang 0.5.21+), one /update_weights_from_distributed per bucket
+        (the version named on the last), close the session (/end_weight_update), leave the group; then continue
         the backends, record the version and ack the batches in one transaction.
 
 Why one group per backend: a backend that dies mid-update breaks only its own group, so the others still finish and
@@ -131,7 +132,7 @@ class ProcessGroupSync:
         """Every backend in rotation, and every one out of it that answers /health (it failed, or was added, or
         recovered without the current weights: a whole version brings it back). World size 1 + its TP ranks."""
         candidates = self.publisher.pool.backends()
-        alive = await asyncio.gather(*(b.client.health() for b in candidates))
+        alive = await asyncio.gather(*(b.client.probe() for b in candidates))
         chosen = [b for b, ok in zip(candidates, alive, strict=True) if b.healthy or ok]
         return await self._sized(chosen, version, tag)
 
@@ -161,7 +162,7 @@ class ProcessGroupSync:
 
     async def _awaiting(self, version: int, tag: str) -> list[Target]:
         candidates = self.awaiting()
-        alive = await asyncio.gather(*(b.client.health() for b in candidates))
+        alive = await asyncio.gather(*(b.client.probe() for b in candidates))
         chosen = [b for b, ok in zip(candidates, alive, strict=True) if ok]
         return await self._sized(chosen, version, tag)
 
@@ -252,7 +253,7 @@ class ProcessGroupSync:
                 "failed_backends": failed, "backends": [t.backend.id for t in ok]}
 
     async def _update(self, t: Target, plan: Plan, port: int, buckets: list[dict[str, Any]]) -> None:
-        client, timeout, joined = t.backend.client, plan.timeout + 10, False
+        client, timeout, joined, session = t.backend.client, plan.timeout + 10, False, False
         try:
             t.stage = "mark"  # until every bucket is in, the server says so in /model_info (survives our restart)
             await client.weight_call("/update_weight_version",
@@ -262,6 +263,8 @@ class ProcessGroupSync:
                 "master_address": plan.master_address, "master_port": port, "rank_offset": 1,
                 "world_size": t.world_size, "group_name": t.group_name, "backend": plan.backend}, timeout)
             joined = True
+            t.stage = "begin"  # SGLang 0.5.21+ refuses the buckets outside a weight-update session
+            session = await client.weight_session_open(timeout)
             t.stage = "buckets"
             for i, bucket in enumerate(buckets):
                 body = {**bucket, "group_name": t.group_name, "load_format": "flattened_bucket",
@@ -270,10 +273,18 @@ class ProcessGroupSync:
                     body["weight_version"] = str(plan.version)
                 await client.weight_call("/update_weights_from_distributed", body, timeout)
                 t.buckets_done = i + 1
+            if session:
+                t.stage, session = "end", False
+                await client.weight_session_close(timeout)
             t.stage = "done"
         except BackendError as e:  # reported per backend; the others go on in their own groups
             t.error = f"{t.stage}: {e}"
         finally:
+            if session:  # closed on failure too: a session left open refuses the next publish's begin
+                try:
+                    await client.weight_session_close(10.0)
+                except BackendError as e:  # a dead server has no session left either
+                    log.debug("ending the weight-update session on %s: %s", t.backend.id, e)
             if joined:
                 try:
                     await client.weight_call("/destroy_weights_update_group", {"group_name": t.group_name}, 10.0)

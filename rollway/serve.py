@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from rollway.embedded import engine_process, ensure_tiny_model
+from rollway.embedded import EngineSupervisor, ensure_tiny_model
 from rollway.keys import admin_key, private_data_dir
 
 READY_WAIT_S = 10.0
@@ -145,15 +145,21 @@ def serve(args: argparse.Namespace) -> int:
         if generated:
             print(f"admin key (stored in {data_dir / 'admin_key'}; shown once): {key}", file=sys.stderr)
         prepare_database(settings.db_url)
+        supervisor = None
         if not settings.backends:
             model = Path(settings.model) if settings.model else ensure_tiny_model(data_dir)
             # Its admin routes (pause, abort, weights) take a key of this run's: no other local user can pause it.
             engine_key = settings.backend_admin_api_key or "rw-engine-" + secrets.token_urlsafe(32)
-            url = stack.enter_context(engine_process(model, log_path=data_dir / "engine.log", admin_api_key=engine_key))
+            supervisor = EngineSupervisor(model, log_path=data_dir / "engine.log",  # restarted when it dies
+                                          admin_api_key=engine_key)
+            url = supervisor.start()
+            stack.callback(supervisor.stop)
             settings = settings.model_copy(update={"backends": [url], "tokenizer": settings.tokenizer or str(model),
                                                    "backend_admin_api_key": engine_key})
             print(f"embedded CPU engine at {url} serving {model}", file=sys.stderr)
         app = create_app(settings, admin_key=key)
+        if supervisor is not None:
+            app.state.engine_supervisor = supervisor  # attached to the pool in the lifespan; in GET /ready
         print(f"gateway on http://{settings.host}:{settings.port}  (agents: POST /v1/groups for keys)",
               file=sys.stderr)
         # proxy_headers off: uvicorn would believe X-Forwarded-For from 127.0.0.1, i.e. from any local user;

@@ -349,7 +349,10 @@ def test_healthchecks_probe_the_ports_served(config: tuple[str, dict[str, Any]])
     svcs = doc["services"]
     sglang_port = flag(argv_of(svcs["sglang"]), "--port")
     gateway_port = flag(argv_of(svcs["gateway"]), "--port")
-    assert f"127.0.0.1:{sglang_port}/health" in " ".join(svcs["sglang"]["healthcheck"]["test"])
+    # Liveness, one policy with the gateway's pool (docs/architecture.md "Liveness"): /ping answers 200 while a
+    # publish pauses the server; SGLang's /health blocks then, and its 503 would mark the server unhealthy.
+    assert f"127.0.0.1:{sglang_port}/ping" in " ".join(svcs["sglang"]["healthcheck"]["test"])
+    assert "/health" not in " ".join(svcs["sglang"]["healthcheck"]["test"])
     # Services that wait for a healthy gateway need one that can serve agents: readiness, not liveness.
     assert [s for s, svc in svcs.items() if svc.get("depends_on", {}).get("gateway")] == ["trainer", "runner"]
     assert f"127.0.0.1:{gateway_port}/ready" in " ".join(svcs["gateway"]["healthcheck"]["test"])

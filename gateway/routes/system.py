@@ -38,13 +38,20 @@ async def ready(request: Request) -> Response:
         seen = request.app.state.ready_backends_seen = set()
     routed = [b for b in backends if b.healthy]
     unseen = [b for b in routed if b.id not in seen]
-    for backend, ok in zip(unseen, await asyncio.gather(*(b.client.health() for b in unseen)), strict=True):
+    for backend, ok in zip(unseen, await asyncio.gather(*(b.client.probe() for b in unseen)), strict=True):
         if ok:
             seen.add(backend.id)
     healthy = sum(1 for b in routed if b.id in seen)
     body: dict[str, object] = {"ready": healthy > 0, "backends_healthy": healthy, "backends": len(backends)}
+    supervisor = getattr(request.app.state, "engine_supervisor", None)
+    if supervisor is not None:  # `rollway serve`'s embedded engine: restarted when it dies (rollway/embedded.py)
+        body["engine"] = supervisor.status()
     if healthy:
         return json_response(body)
+    if supervisor is not None and supervisor.state != "running":
+        body["reason"] = (f"the embedded engine {supervisor.last_death}: it is being restarted (restarts so far: "
+                          f"{supervisor.restarts})")
+        return json_response(body, 503)
     if not backends:
         body["reason"] = "no backend: start with --backend URL (or ROLLWAY_BACKENDS), or add one with POST /v1/backends"
     else:

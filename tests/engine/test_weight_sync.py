@@ -60,6 +60,14 @@ def served(tiny_model_dir: Path) -> Iterator[tuple[LiveServer, Any]]:
         yield server, app.state.engine
 
 
+@pytest.fixture(scope="module")
+def served_pre_session(tiny_model_dir: Path) -> Iterator[tuple[LiveServer, Any]]:
+    """An engine serving as SGLang before 0.5.21: no weight-update session, none demanded."""
+    app = create_app(tiny_model_dir, max_batch_size=4, weight_update_session=False)
+    with LiveServer(app) as server:
+        yield server, app.state.engine
+
+
 def trained_state(model_dir: Path, shift: float) -> dict[str, torch.Tensor]:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     state = {k: v + shift for k, v in model.state_dict().items()}
@@ -92,6 +100,15 @@ def test_buckets_arrive_in_place_and_the_version_moves_on_the_last(served: tuple
                                                          "rank_offset": 1, "world_size": 2,
                                                          "group_name": "g-publish", "backend": "gloo"})
     assert r.status_code == 200 and r.json()["success"], r.text
+    first = {**buckets[0].manifest(), "group_name": "g-publish", "load_format": "flattened_bucket"}
+    r = post(server.url, "/update_weights_from_distributed", first)  # SGLang 0.5.21+: only inside a session
+    assert r.status_code == 400 and r.json() == {"success": False, "message": (
+        "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")}
+    assert post(server.url, "/end_weight_update", {}).json() == {
+        "success": False, "message": "no weight-update session is open; call begin_weight_update() first"}
+    assert post(server.url, "/begin_weight_update", {}).json() == {"success": True, "message": "Success"}
+    r = post(server.url, "/begin_weight_update", {})
+    assert r.status_code == 400 and "already open" in r.json()["message"]
     for i, b in enumerate(buckets):
         last = i == len(buckets) - 1
         body = {**b.manifest(), "group_name": "g-publish", "load_format": "flattened_bucket", "flush_cache": True,
@@ -100,6 +117,7 @@ def test_buckets_arrive_in_place_and_the_version_moves_on_the_last(served: tuple
         assert r.status_code == 200 and r.json()["success"], r.text
         version = httpx.get(server.url + "/model_info").json()["weight_version"]
         assert version == ("1" if last else "default")  # a half-received model never claims the new version
+    assert post(server.url, "/end_weight_update", {}).json()["success"]
     assert out.get(timeout=60) == {"sent": len(buckets), "error": None}
     proc.join(30)
     served_state = engine.scheduler.model.state_dict()
@@ -111,9 +129,13 @@ def test_buckets_arrive_in_place_and_the_version_moves_on_the_last(served: tuple
     assert out["meta_info"]["weight_version"] == "1"
 
 
-def test_per_tensor_broadcasts_without_load_format(served: tuple[LiveServer, Any], tiny_model_dir: Path) -> None:
-    """load_format null: one broadcast per tensor, in the manifest's order (SGLang's default)."""
-    server, engine = served
+def test_per_tensor_broadcasts_without_load_format(served_pre_session: tuple[LiveServer, Any],
+                                                  tiny_model_dir: Path) -> None:
+    """load_format null: one broadcast per tensor, in the manifest's order (SGLang's default); on an engine serving
+    as SGLang before 0.5.21, without a weight-update session (it has no such routes)."""
+    server, engine = served_pre_session
+    assert httpx.post(server.url + "/begin_weight_update", json={}).status_code == 404
+    assert httpx.get(server.url + "/server_info").json()["version"].startswith("0.5.20")
     state = trained_state(tiny_model_dir, -0.02)
     names = list(state)[:3]
     port = free_port()
@@ -154,6 +176,7 @@ def test_a_trainer_that_never_broadcasts_times_out(served: tuple[LiveServer, Any
                                                            "group_name": "g-silent", "backend": "gloo"}).json()["success"]
     assert out.get(timeout=60) == {"sent": 0}
     before = engine.scheduler.weight_version
+    assert post(server.url, "/begin_weight_update", {}).json()["success"]
     t0 = time.monotonic()
     r = post(server.url, "/update_weights_from_distributed",
              {"names": ["model.norm.weight"], "dtypes": ["float32"],
@@ -162,6 +185,7 @@ def test_a_trainer_that_never_broadcasts_times_out(served: tuple[LiveServer, Any
     waited = time.monotonic() - t0
     assert r.status_code == 400 and "partially updated" in r.json()["message"]
     assert 1.5 < waited < 30
+    assert post(server.url, "/end_weight_update", {}).json()["success"]  # closed after a failed update too
     assert engine.scheduler.weight_version == before != "99"
     post(server.url, "/destroy_weights_update_group", {"group_name": "g-silent"})
     proc.kill()

@@ -18,7 +18,9 @@ strings are accepted and ignored (no tokenizer). `text` is "<id><id>..." unless
 Test handles: `requests` (/generate payloads), `calls` (control calls as (path, body)), `aborted` and
 `disconnected` (rids), `running` (requests in flight), `script()`, `fail_next()` (HTTP errors),
 `fail_stream()` (an SSE error event or a dropped connection mid-stream), `down` (drop every connection),
-`healthy` (503 on /health), `stop()`/`start()` (connection refused, same port).
+`healthy` (503 on /health), `stop()`/`start()` (connection refused, same port). /health blocks while paused or
+loading (up to `health_check_timeout`), /ping does not; `weight_session=False` is a server before 0.5.21 (no
+/begin_weight_update, /end_weight_update).
 The process-group weight endpoints check their bodies and record the groups (`groups`: name -> init body) and
 buckets, but receive no tensors (no torch here): `fail_sync_at = k` fails the k-th bucket call (0-based) with
 SGLang's `success: false` answer, as a server whose broadcast broke.
@@ -83,6 +85,8 @@ class FakeSGLang:
         seed: int = 0,
         enable_lora: bool = False,
         max_loaded_loras: int | None = None,
+        weight_session: bool = True,
+        health_check_timeout: float = 20.0,
         port: int = 0,
     ) -> None:
         self.vocab = vocab
@@ -102,6 +106,26 @@ class FakeSGLang:
         self.down = False
         self.healthy = True
         self.paused: str | None = None
+        # Liveness as SGLang 0.5.23 answers it (srt/entrypoints/http_server.py `health_generate`, `ready`,
+        # `sagemaker_health`; srt/managers/tokenizer_manager.py `is_healthy`, `is_ready`): /health waits for a
+        # one-token generation, which a pause or a weight load holds back, for at most `health_check_timeout`
+        # (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s), then answers 503 and marks the server unhealthy (`unhealthy`), after
+        # which /ping and /ready answer 503 too until a /health passes; /ping is a flag check, 200 while paused.
+        self.health_check_timeout = health_check_timeout
+        self.unhealthy = False
+        self.loading = 0
+        """Weight loads in progress (/update_weights_from_disk, /update_weights_from_distributed)."""
+        self.health_probes: list[str] = []
+        """The liveness paths called (/health, /ping, /ready), in order."""
+        self.health_while_busy = 0
+        """/health calls that arrived while paused or loading (each blocks, and may mark the server unhealthy)."""
+        # The weight-update session of SGLang 0.5.21+ (srt/managers/scheduler_components/weight_updater.py
+        # `begin_weight_update`, `end_weight_update`): /update_weights_from_distributed refuses to run outside one.
+        # weight_session=False is a server before 0.5.21: neither route, no session demanded, /server_info 0.5.20.
+        self.weight_session = weight_session
+        self.session_open = False
+        self._parked: set[str] = set()
+        """rids that arrived while paused: held in the tokenizer manager, out of reach of `abort_all`."""
         self.requests: list[dict[str, Any]] = []
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.aborted: list[str] = []
@@ -142,6 +166,10 @@ class FakeSGLang:
                 Route(server, self._server_info, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/health_generate", self._health, methods=["GET"]),
+                Route("/ping", self._ping, methods=["GET"]),
+                Route("/ready", self._ready, methods=["GET"]),
+                *([Route("/begin_weight_update", self._begin_session, methods=["POST"]),
+                   Route("/end_weight_update", self._end_session, methods=["POST"])] if weight_session else []),
             ]
         )
         self._server = ServerThread(self, port=port)
@@ -274,12 +302,15 @@ class FakeSGLang:
             top_n=top_n,
         )
         self._gens[gen.rid] = gen
+        if self.paused is not None:
+            self._parked.add(gen.rid)
         return gen
 
     async def _run(self, gen: Generation) -> AsyncIterator[None]:
         """Generate token by token, yielding after each; honours pause, abort and the token delay."""
         # The waiting queue: a paused server holds new requests until continue (or their abort).
         await _until(lambda: self.paused is None or gen.abort_message is not None)
+        self._parked.discard(gen.rid)
         if gen.abort_message is not None:
             gen.finish = abort_finish(
                 "Abort before prefill" if self.legacy else gen.abort_message, running=False
@@ -307,6 +338,7 @@ class FakeSGLang:
 
     def _retire(self, gen: Generation) -> None:
         self._gens.pop(gen.rid, None)
+        self._parked.discard(gen.rid)
         if gen.finish is not None and gen.finish["type"] == "abort":
             self.aborted.append(gen.rid)
         self._history.append(gen.input_ids + gen.output)
@@ -358,6 +390,8 @@ class FakeSGLang:
         if not abort_all and prefix not in self._gens:
             return  # SGLang's tokenizer manager drops an abort of a rid it does not hold (one tokenizer worker)
         for gen in list(self._gens.values()):
+            if abort_all and gen.rid in self._parked:
+                continue  # SGLang's abort_all goes to the scheduler, which has not seen a parked request yet
             if abort_all or (prefix and gen.rid.startswith(prefix)):
                 gen.abort_message = message if gen.started else "Abort in waiting queue"
                 gen.version_at_abort = self.weight_version
@@ -390,7 +424,11 @@ class FakeSGLang:
         if body.get("abort_all_requests"):
             self._abort_matching("", abort_all=True)
         await _until(lambda: self.paused is not None or not self._gens)  # unpaused: let running ones finish
-        await asyncio.sleep(self.load_delay)
+        self.loading += 1
+        try:
+            await asyncio.sleep(self.load_delay)
+        finally:
+            self.loading -= 1
         self.model_path = path
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
@@ -425,16 +463,39 @@ class FakeSGLang:
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
                 and len(names) == len(dtypes) == len(shapes)):
             return bad("names, dtypes and shapes must be lists of one length")
+        if self.weight_session and not self.session_open:
+            message = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            return JSONResponse({"success": False, "message": message}, 400)
         if self.fail_sync_at is not None and self.buckets_received >= self.fail_sync_at:
             message = "Failed to update parameter online: fake. The full weights of the ModelRunner are partially updated."
             return JSONResponse({"success": False, "message": message}, 400)
-        await asyncio.sleep(self.load_delay)
+        self.loading += 1
+        try:
+            await asyncio.sleep(self.load_delay)
+        finally:
+            self.loading -= 1
         self.buckets_received += 1
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
         if body.get("flush_cache", True):
             self._history.clear()
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def _begin_session(self, request: Request) -> Response:
+        await self._json(request)
+        if self.session_open:
+            message = "a weight-update session is already open; call end_weight_update() first"
+            return JSONResponse({"success": False, "message": message}, 400)
+        self.session_open = True
+        return JSONResponse({"success": True, "message": "Success"})
+
+    async def _end_session(self, request: Request) -> Response:
+        await self._json(request)
+        if not self.session_open:
+            message = "no weight-update session is open; call begin_weight_update() first"
+            return JSONResponse({"success": False, "message": message}, 400)
+        self.session_open = False
+        return JSONResponse({"success": True, "message": "Success"})
 
     async def _destroy_group(self, request: Request) -> Response:
         body = await self._json(request)
@@ -500,12 +561,31 @@ class FakeSGLang:
                 "max_total_num_tokens": 64 * self.context_length,
                 "skip_tokenizer_init": self.skip_tokenizer_init,
                 "incremental_streaming_output": self.incremental,
-                "version": "0.4.10-fake" if self.legacy else "0.5.23-fake",
+                "version": "0.4.10-fake" if self.legacy else "0.5.23-fake" if self.weight_session else "0.5.20-fake",
             }
         )
 
     async def _health(self, request: Request) -> Response:
-        return Response(status_code=200 if self.healthy else 503)
+        self.health_probes.append(request.url.path)
+        if not self.healthy:
+            return Response(status_code=503)
+        self.health_while_busy += self.paused is not None or self.loading > 0
+        deadline = asyncio.get_running_loop().time() + self.health_check_timeout
+        while self.paused is not None or self.loading:  # the one-token generation waits, as a request would
+            if asyncio.get_running_loop().time() >= deadline:
+                self.unhealthy = True
+                return Response(status_code=503)
+            await asyncio.sleep(0.05)
+        self.unhealthy = False
+        return Response(status_code=200)
+
+    async def _ping(self, request: Request) -> Response:
+        self.health_probes.append(request.url.path)
+        return Response(status_code=200 if self.healthy and not self.unhealthy else 503)
+
+    async def _ready(self, request: Request) -> Response:
+        self.health_probes.append(request.url.path)
+        return Response(status_code=200 if self.healthy and not self.unhealthy and self.paused is None else 503)
 
 
 def grammar_error(sp: dict[str, Any]) -> tuple[str, str] | None:

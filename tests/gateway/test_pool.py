@@ -201,6 +201,26 @@ async def test_health_loop_fails_and_brings_back_backends(
     assert b.last_error == "3 health checks failed in a row"
 
 
+async def test_a_paused_backend_is_probed_by_ping_and_resumed_even_out_of_rotation(
+    http: aiohttp.ClientSession, fakes: list[FakeSGLang]
+) -> None:
+    """SGLang's /health blocks while paused (then 503, and the server is marked unhealthy): a backend the pool paused
+    is probed with /ping, kept out of rotation while paused if it was out, and `continue_all` resumes it too."""
+    fakes[0].health_check_timeout = 0.3
+    pool = BackendPool(http, health_interval=3600)
+    a, b = pool.add(fakes[0].url, backend_id="a"), pool.add(fakes[1].url, backend_id="b")
+    await pool.pause_all()
+    pool.mark_failed(a, "a load failed")  # out of rotation while paused
+    for _ in range(4):
+        await pool.check_health()
+    assert fakes[0].health_while_busy == 0 and not fakes[0].unhealthy and "/ping" in fakes[0].health_probes
+    assert not a.healthy and b.healthy and a.health_misses == 0  # alive, but not admitted while paused
+    errors = await pool.continue_all()
+    assert errors == {"a": None, "b": None} and fakes[0].paused is None and fakes[1].paused is None
+    await pool.check_health()  # unpaused: /health, which passes, and a is back
+    assert a.healthy and fakes[0].health_probes[-1] == "/health"
+
+
 async def test_one_missed_probe_does_not_take_a_busy_backend_out(
     http: aiohttp.ClientSession, fakes: list[FakeSGLang]
 ) -> None:

@@ -55,9 +55,13 @@ def health(gw: LiveGateway) -> dict[str, dict[str, Any]]:
     return {b["url"]: b for b in gw.admin.get("/v1/backends").json()["data"]}
 
 
-def test_each_server_gets_its_own_group_and_the_buckets_in_order(tiny_model_dir: Path, sqlite_url: str) -> None:
-    with FakeSGLang() as a, FakeSGLang() as b, LiveGateway(backends=[a.url, b.url], tokenizer=str(tiny_model_dir),
-                                                          db=sqlite_url) as gw:
+@pytest.mark.parametrize("session", [True, False], ids=["0.5.21+", "before-0.5.21"])
+def test_each_server_gets_its_own_group_and_the_buckets_in_order(tiny_model_dir: Path, sqlite_url: str,
+                                                                 session: bool) -> None:
+    """SGLang 0.5.21+ takes the buckets only inside a weight-update session (begin ... end); an older server has
+    neither route (its /server_info says 0.5.20) and gets the buckets alone."""
+    with FakeSGLang(weight_session=session) as a, FakeSGLang(weight_session=session) as b, LiveGateway(
+            backends=[a.url, b.url], tokenizer=str(tiny_model_dir), db=sqlite_url) as gw:
         plan, r = publish(gw, 1)
         assert r.status_code == 200, r.text
         out = r.json()
@@ -65,9 +69,11 @@ def test_each_server_gets_its_own_group_and_the_buckets_in_order(tiny_model_dir:
         assert len({g["group_name"] for g in plan["groups"]}) == 2 and {g["world_size"] for g in plan["groups"]} == {2}
         for fake in (a, b):
             paths = [p for p, _ in fake.calls]
-            assert paths == ["/pause_generation", "/update_weight_version", "/init_weights_update_group",
-                             *["/update_weights_from_distributed"] * 3, "/destroy_weights_update_group",
+            begin, end = (["/begin_weight_update"], ["/end_weight_update"]) if session else ([], [])
+            assert paths == ["/pause_generation", "/update_weight_version", "/init_weights_update_group", *begin,
+                             *["/update_weights_from_distributed"] * 3, *end, "/destroy_weights_update_group",
                              "/continue_generation"]
+            assert not fake.session_open
             body = dict(fake.calls)
             assert body["/update_weight_version"] == {"new_version": "1-partial", "abort_all_requests": False}
             init = body["/init_weights_update_group"]
@@ -226,3 +232,91 @@ def test_a_server_failing_mid_update_is_caught_up_without_a_new_version(tiny_mod
         assert r.status_code == 200 and r.json()["backends"] == [bid], r.text
         assert b.weight_version == "1" and health(gw)[b.url]["healthy"] is True
         assert gw.admin.get("/v1/weights").json()["version"] == 1
+
+
+def test_a_session_left_open_is_ended_and_begun_again(tiny_model_dir: Path, sqlite_url: str) -> None:
+    """A publisher that died mid-session left the server's weight-update session open: begin answers "already
+    open", the gateway ends it and begins once more; a failed update closes its session too."""
+    with FakeSGLang() as a, LiveGateway(backends=[a.url], tokenizer=str(tiny_model_dir), db=sqlite_url) as gw:
+        a.session_open = True
+        _, r = publish(gw, 1)
+        assert r.status_code == 200 and r.json()["failed_backends"] == {}, r.text
+        paths = [p for p, _ in a.calls]
+        assert paths[3:7] == ["/begin_weight_update", "/end_weight_update", "/begin_weight_update",
+                              "/update_weights_from_distributed"], paths
+        assert a.weight_version == "1" and not a.session_open
+        a.calls.clear()
+        a.fail_sync_at = a.buckets_received + 1  # the second bucket of the next publish breaks
+        _, r = publish(gw, 2)
+        assert r.status_code == 503, r.text  # nobody took it
+        paths = [p for p, _ in a.calls]
+        assert paths.count("/begin_weight_update") == paths.count("/end_weight_update") == 1 and not a.session_open
+
+
+def test_requests_parked_during_a_failed_sync_are_never_served_from_the_mix(tiny_model_dir: Path,
+                                                                           sqlite_url: str) -> None:
+    """Requests that reach a server while it is paused wait in SGLang's tokenizer manager, where `abort_all` (it
+    goes to the scheduler) does not reach them: after a sync that failed on that server they run on a half-updated
+    model, which reports "<v>-partial". Their tokens are discarded and the replies finish on a server that took
+    the version; nothing is recorded at the parsed version 0."""
+    with FakeSGLang(token_delay=0.002) as a, FakeSGLang(token_delay=0.002, load_delay=1.5) as b, LiveGateway(
+        backends=[a.url, b.url], tokenizer=str(tiny_model_dir), db=sqlite_url
+    ) as gw:
+        b.fail_sync_at = 2  # b breaks on the third bucket, after ~3 s paused
+        creds = [gw.group(1)["sessions"][0] for _ in range(8)]  # one per group: the least-loaded spreads them
+        out: dict[str, Any] = {}
+        errors: list[Exception] = []
+
+        def agent(cred: dict[str, Any]) -> None:
+            try:
+                out[cred["session_id"]] = chat(gw, cred)
+            except Exception as e:  # reported by the assertion below
+                errors.append(e)
+
+        chat(gw, gw.group(1)["sessions"][0])  # warm: a first call in a fresh gateway takes seconds here
+        result: list[Any] = []
+        sync = threading.Thread(target=lambda: result.append(publish(gw, 1)[1]))
+        sync.start()
+        wait_for(lambda: a.paused is not None and b.paused is not None, "the publish never paused both")
+        threads = [threading.Thread(target=agent, args=(c,)) for c in creds]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(b._parked) > 0, "no request reached b while it was paused")
+        sync.join(30)
+        for t in threads:
+            t.join(60)
+        assert result and result[0].status_code == 200, result
+        assert b.weight_version == "1-partial" and a.weight_version == "1"
+        assert errors == []
+        b_id = next(x["id"] for x in health(gw).values() if x["url"] == b.url)
+        for cred in creds:
+            turn = gw.session(cred["session_id"])["turns"][0]
+            assert set(turn["versions"]) == {1}, turn["versions"]  # every token from a whole version 1
+        assert health(gw)[b.url]["healthy"] is False, b_id
+
+
+def test_the_session_routes_are_found_by_version_or_by_a_404() -> None:
+    """`/server_info`'s version says whether a server has the weight-update session (0.5.21+); a server that reports
+    no usable version but lacks the routes answers begin with a 404, and is then updated without one."""
+    import asyncio
+
+    import aiohttp
+
+    from gateway.sglang import SGLangClient, _has_weight_session
+
+    assert [_has_weight_session(v) for v in ("0.5.20", "0.5.21", "0.5.23+rollway", "0.6.0", "0.4.10-fake", "dev")] \
+        == [False, True, True, True, False, True]
+
+    async def run(fake: FakeSGLang, known: bool | None) -> tuple[bool, bool | None]:
+        async with aiohttp.ClientSession() as http:
+            client = SGLangClient(http, fake.url)
+            client.weight_session = known
+            opened = await client.weight_session_open(5.0)
+            client.close()
+            return opened, client.weight_session
+
+    with FakeSGLang(weight_session=False) as old, FakeSGLang() as new:
+        assert asyncio.run(run(old, None)) == (False, False)  # by its version, 0.5.20: begin never sent
+        assert "/begin_weight_update" not in [p for p, _ in old.calls]
+        assert asyncio.run(run(old, True)) == (False, False)  # told otherwise: the 404 on begin decides
+        assert asyncio.run(run(new, None)) == (True, True) and new.session_open
