@@ -45,6 +45,9 @@ def _init(server: LiveServer, port: int, group: str) -> None:
                                                          "rank_offset": 1, "world_size": 2, "group_name": group,
                                                          "backend": "gloo"})
     assert r.status_code == 200 and r.json()["success"], r.text
+    # SGLang 0.5.21+: the bucket calls run inside a weight-update session
+    r = post(server.url, "/begin_weight_update", {})
+    assert r.status_code == 200 and r.json()["success"], r.text
 
 
 def test_the_engine_reads_sglangs_mixed_dtype_bucket(served: tuple[LiveServer, Any], tiny_model_dir: Path) -> None:
@@ -65,6 +68,7 @@ def test_the_engine_reads_sglangs_mixed_dtype_bucket(served: tuple[LiveServer, A
     served_state = engine.scheduler.model.state_dict()
     for name, t in named:
         assert torch.equal(served_state[name], t.to(torch.float32)), name
+    post(server.url, "/end_weight_update", {})
     post(server.url, "/destroy_weights_update_group", {"group_name": "g-wire"})
 
 
@@ -78,6 +82,7 @@ def test_an_unaligned_bucket_is_refused(served: tuple[LiveServer, Any]) -> None:
             "shapes": [[3], [2]], "group_name": "g-unaligned", "load_format": "flattened_bucket"}
     r = post(server.url, "/update_weights_from_distributed", body)
     assert r.status_code == 400 and "Unaligned received tensor 1: byte offset 6" in r.json()["message"]
+    post(server.url, "/end_weight_update", {})
     post(server.url, "/destroy_weights_update_group", {"group_name": "g-unaligned"})
     proc.kill()
     proc.join(10)
