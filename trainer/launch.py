@@ -25,10 +25,11 @@ from trainer.config import TrainConfig, load_config, parse_overrides
 
 
 def torchrun_command(config_path: str | Path, nproc: int) -> list[str]:
-    """The exact command: `python -m torch.distributed.run --standalone --nproc-per-node N -m trainer.train
-    --config FILE` (`--standalone`: a free local rendezvous port, one node)."""
+    """The exact command: `python -m trainer.torchrun --standalone --nproc-per-node N -m trainer.train
+    --config FILE` (torchrun, `torch.distributed.run`, without a traceback when stopped: trainer/torchrun.py;
+    `--standalone`: a free local rendezvous port, one node)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        sys.executable, "-m", "trainer.torchrun", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "trainer.train", "--config", str(config_path),
     ]  # fmt: skip
 

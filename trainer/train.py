@@ -22,6 +22,7 @@ Where this departs from GRPO (Shao et al. 2024, DeepSeekMath):
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import statistics
 import sys
@@ -314,7 +315,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
         if client:
             client.close()
         sink.close()
-        if info.is_main and sink.jsonl_path.exists():
+        if info.is_main and sink.jsonl_path.exists() and sink.jsonl_path.stat().st_size > 0:  # a step to plot
             plot_rewards(sink.jsonl_path, out / "rewards.png", cfg.eval_log or None)
 
 
@@ -337,7 +338,13 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     # SIGTERM (torchrun forwards it; `rollway demo` stops the trainer with it) unwinds like Ctrl-C, so the
     # metrics are flushed and the reward plot is written. Held leases simply expire back to the queue.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    stopped: list[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        stopped.append(signum)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     info = init_distributed(cfg.dist_timeout)
     torch.manual_seed(cfg.seed)
     try:
@@ -351,6 +358,17 @@ def main(argv: list[str] | None = None) -> None:
         # that tore down early once aborted at exit ("terminate called without an active exception", gloo, CI).
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+    except SystemExit:
+        if not stopped:
+            raise
+        # Stopped: the metrics, checkpoints and the plot are written (the finally blocks above ran). Exit now,
+        # not after the interpreter joins the leasing thread, which may sit in a lease's long poll for up to
+        # wait_seconds (issue 28: `rollway train` took 22 s to stop); its lease expires back to the queue.
+        shutdown()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + stopped[0])
     finally:
         shutdown()
 

@@ -38,13 +38,13 @@ def _rl_running(procs: list[Proc]) -> bool:
     """The engine, the gateway and the RL trainer's worker (under `rollway train`'s torchrun) all run."""
     cmds = [p.cmdline for p in procs]
     return (any(" engine " in c for c in cmds) and any(" serve " in c for c in cmds)
-            and any("-m trainer.train" in c and "/train/config.json" in c and "torch.distributed" not in c
+            and any("-m trainer.train" in c and "/train/config.json" in c and "trainer.torchrun" not in c
                     for c in cmds))
 
 
 def _sft_running(procs: list[Proc]) -> bool:
     return any("-m trainer.train" in p.cmdline and "/sft/config.json" in p.cmdline
-               and "torch.distributed" not in p.cmdline for p in procs)
+               and "trainer.torchrun" not in p.cmdline for p in procs)
 
 
 def _is_trainer(p: Proc) -> bool:
