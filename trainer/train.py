@@ -47,6 +47,7 @@ from trainer.metrics import MetricsSink
 from trainer.pipeline import GatewayPipeline
 from trainer.plot import plot_rewards
 from trainer.step import make_optimizer, rl_step
+from trainer.tracking import tracking_for
 from trainer.weight_sync import CatchUp, SyncPayload, sync_options
 
 log = logging.getLogger("trainer")
@@ -169,7 +170,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
     out = Path(cfg.out).resolve()
     client = GatewayClient(cfg.gateway, cfg.resolved_admin_key(), cfg.http_timeout) if info.is_main else None
     renewer: LeaseRenewer | None = None
-    sink = MetricsSink(out, enabled=info.is_main, total_steps=cfg.steps or None)
+    sink = MetricsSink(out, enabled=info.is_main, total_steps=cfg.steps or None, tracking=tracking_for(cfg, info.is_main))
     pipe: GatewayPipeline[StepBatch] | None = None
     # each step's figures and advantages go to the gateway's store (the viewer's charts), off this thread
     reporter = StepReporter(client) if client is not None else None
