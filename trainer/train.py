@@ -63,6 +63,8 @@ class StepBatch:
     rewards: list[float] = field(default_factory=list)
     """Session rewards of every scored group, filtered ones included: what the policy earns."""
     filtered: int = 0
+    filtered_rewards: list[float] = field(default_factory=list)
+    """The common reward of each filtered group whose sessions all scored the same (why it was filtered)."""
     stale: int = 0
     staleness: list[int] = field(default_factory=list)
     wait_s: float = 0.0
@@ -92,6 +94,8 @@ def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, vers
             out.rewards.extend(scored.rewards)
             if not scored.samples or (cfg.dynamic_filter and scored.filtered):
                 filtered[group.group_id] = "filtered"
+                if scored.samples and scored.rewards and max(scored.rewards) == min(scored.rewards):
+                    out.filtered_rewards.append(scored.rewards[0])
                 continue
             out.groups.append(scored)
             out.leases.setdefault(lease.batch_id, []).append(group.group_id)
@@ -103,6 +107,38 @@ def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, vers
             renewer.release(lease.batch_id)
     out.wait_s = time.perf_counter() - t0
     return out
+
+
+def idle_note(batch: StepBatch, cfg: TrainConfig) -> str:
+    """Why a lease round brought nothing to train, in words, and what to change (the trainer then waits)."""
+    head = f"no trainable group within {cfg.wait_seconds:.0f}s"
+    if batch.filtered:
+        equal = batch.filtered_rewards
+        parts = []
+        if equal:
+            values = sorted(set(equal))
+            shown = ", ".join(f"{v:g}" for v in values[:3]) + (", ..." if len(values) > 3 else "")
+            parts.append(f"{'all ' if len(equal) == batch.filtered else ''}{len(equal)} of {batch.filtered} "
+                         f"filtered group(s) had equal rewards in every session ({shown}): GRPO learns nothing "
+                         "from a group whose sessions all score the same")
+        if batch.filtered > len(equal):
+            parts.append(f"{batch.filtered - len(equal)} group(s) had no sample to train (no rewarded session with "
+                         "completion tokens)")
+        if equal and max(equal) <= 0:
+            advice = ("the policy never earns a reward on these tasks: start from a model that sometimes succeeds "
+                      "(e.g. the weights of `rollway demo`'s warm-up, rollway-demo/sft/weights/sft-final, for its "
+                      "arithmetic tasks), or give easier tasks or a graded reward")
+        elif equal and min(equal) > 0 and len(set(equal)) == 1:
+            advice = "every session succeeds alike: give harder tasks"
+        else:
+            advice = "more samples per group (--n-samples) make a spread of rewards likelier"
+        return f"{head}: {'; '.join(parts)}. {advice}; waiting"
+    if batch.stale:
+        return (f"{head}: {batch.stale} group(s) dropped as stale (generated more than max_head_offpolicyness="
+                f"{cfg.max_head_offpolicyness} versions before this trainer's): raise --max-head-offpolicyness; "
+                "waiting")
+    return (f"{head}: no complete group arrived (a group is leased once each of its sessions is finished with a "
+            "reward): are agents running and finishing their sessions?; waiting")
 
 
 def _send(client: GatewayClient, version: int, path: Path | SyncPayload, batch_ids: list[str] | None,
@@ -215,10 +251,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             if pipe is not None and (cfg.steps == 0 or step + 1 < cfg.steps):
                 pipe.prefetch(version + 1)  # the next step's batch, leased while this one trains
             if not batch.groups:
-                sink.note(
-                    f"no trainable group within {cfg.wait_seconds:.0f}s "
-                    f"(filtered {batch.filtered}, stale {batch.stale}); waiting"
-                )
+                sink.note(idle_note(batch, cfg))
                 continue
 
             # ---------------- train: proximal pass, then forward/backward + optimizer step(s)
