@@ -87,7 +87,10 @@ def test_demo_normal_end_leaves_nothing_behind(tmp_path: Path) -> None:
                 proc.wait(0.5)
             except subprocess.TimeoutExpired:
                 pass
-        assert proc.returncode == 0, (tmp_path / "demo.log").read_text()[-3000:]
+        # 3 SFT steps leave the model scoring 0 everywhere: its groups are all filtered, so the run may train no
+        # RL step, which the demo reports with exit 1 (issue 28); either way it ends on its own
+        log = (tmp_path / "demo.log").read_text()
+        assert proc.returncode == 0 or (proc.returncode == 1 and "no RL step trained" in log), log[-3000:]
         left = tree.left_behind(LEFT_BOUND_S)
         assert not left, f"left behind: {[p.cmdline for p in left]}"
     finally:
