@@ -91,6 +91,15 @@ class MlflowTracker:
         self._client.set_terminated(self._run_id)
 
 
+def check_installed(cfg: TrainConfig) -> None:
+    """Raise (before any process starts: `rollway train`) when a tracker is asked for but not installed."""
+    import importlib.util
+
+    for option, module, extra in (("wandb_project", "wandb", "wandb"), ("mlflow_tracking_uri", "mlflow", "mlflow")):
+        if getattr(cfg, option) and importlib.util.find_spec(module) is None:
+            raise _missing(extra, option, ImportError(f"no module named {module!r}"))
+
+
 def tracking_for(cfg: TrainConfig, enabled: bool = True) -> list[Tracker]:
     """The trackers `cfg` asks for (none by default; none on a rank other than 0: `enabled` False)."""
     if not enabled:

@@ -35,13 +35,20 @@ def test_off_by_default_and_only_on_rank_0(tmp_path: Path) -> None:
     assert tracking_for(_cfg(tmp_path, mlflow_tracking_uri=str(tmp_path / "ml")), enabled=False) == []
 
 
-def test_a_tracker_not_installed_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tracker_not_installed_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     monkeypatch.setitem(sys.modules, "mlflow", None)
     with pytest.raises(RuntimeError, match=r"pip install 'rollway\[wandb\]'"):
         tracking_for(_cfg(tmp_path, wandb_project="p"))
     with pytest.raises(RuntimeError, match=r"pip install 'rollway\[mlflow\]'"):
         tracking_for(_cfg(tmp_path, mlflow_tracking_uri=str(tmp_path / "ml")))
+    from trainer.launch import main
+
+    # `rollway train` refuses before torchrun starts, with the same words
+    assert main(["--gateway", "http://127.0.0.1:9", "--model", "m", "--out", str(tmp_path / "o"),
+                 "--wandb-project", "p"]) == 2
+    assert "wandb_project is set but wandb is not installed" in capsys.readouterr().err
     with pytest.raises(ValueError, match="wandb_mode"):
         _cfg(tmp_path, wandb_mode="sometimes").validate()
 
