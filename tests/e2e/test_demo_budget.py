@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,7 @@ def test_a_demo_that_trains_no_rl_step_fails_saying_why(tmp_path: Path) -> None:
     # 1.2 s of RL: the trainer (torchrun, imports, the model) is not even ready to lease
     proc, summary = _demo(tmp_path, "--minutes", "0.02", "--sft-steps", "3", "--eval-tasks", "2", timeout=600)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "no RL step trained. The RL phase ran 1 s (--minutes 0.02)" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"no RL step trained\. The RL phase ran [12] s \(--minutes 0\.02\)", proc.stderr), proc.stderr[-3000:]
     assert "Give RL more time (--minutes)" in proc.stderr
     assert summary["steps"] == 0 and summary["error"] == "no RL step trained"
     assert "plot:" not in proc.stdout and not (tmp_path / "demo" / "train" / "rewards.png").exists()
