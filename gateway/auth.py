@@ -81,6 +81,14 @@ async def chat_session(request: Request, session_id: str | None, *, anthropic: b
     return auth
 
 
+async def model_reader(request: Request, session_id: str | None, *, anthropic: bool = False) -> None:
+    """`/v1/models` (+ `/{id}`): a session (as for a chat call) or the admin. The model list holds nothing
+    private, and an operator checking what a gateway serves has the admin key at hand, not a session's."""
+    if session_id is None and is_admin_key(request, api_key(request) if anthropic else bearer(request)):
+        return
+    await chat_session(request, session_id, anthropic=anthropic)
+
+
 @dataclass(frozen=True, slots=True)
 class Caller:
     admin: bool

@@ -272,21 +272,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("args", nargs=argparse.REMAINDER, help="trainer options (rollway train --help)")
     t.set_defaults(fn=_train)
 
-    from rollway.demo import EVAL_TASKS, SFT_MAX_STEPS  # torch-free, like the rollout import above
+    from rollway.demo import EVAL_TASKS, SFT_MAX_SECONDS, SFT_STEPS  # torch-free, as the rollout import
 
     d = sub.add_parser("demo", formatter_class=HelpFormatter, help="the whole loop on this CPU machine",
                        description="Create the tiny model, warm it up with SFT, serve it, and train it with RL on "
                        "two-digit addition; prints a summary table, a plot and a JSON line.")
     d.add_argument("--out", default="rollway-demo", help="folder for the model, database, logs and plot")
     d.add_argument("--seed", type=int, default=0, help="seed of the model, the SFT data order and the trainer")
-    d.add_argument("--minutes", type=float, default=8.0, help="time budget for the RL phase")
+    d.add_argument("--minutes", type=float, default=6.0,
+                   help="time budget for the RL phase, from its start (the warm-up and the evals come on top: the "
+                   "whole demo takes about 10 minutes on 2 cores); a run that trains no RL step exits with 1")
     d.add_argument("--steps", type=int, default=0, help="stop after this many trainer steps (0 = time budget)")
     d.add_argument("--nproc", type=int, default=1, help="trainer processes (CPU ranks)")
     d.add_argument("--lora-rank", type=int, default=0,
                    help="RL-train a LoRA adapter of this rank (published as adapters, pinned sessions) instead of "
                         "the full weights")
-    d.add_argument("--sft-steps", type=int, default=SFT_MAX_STEPS,
-                   help="at most this many SFT warm-up steps (it stops sooner on its target match)")
+    d.add_argument("--sft-steps", type=int, default=SFT_STEPS,
+                   help=f"SFT warm-up steps (a fixed number, so that the warm-up ends alike on any CPU; a slow "
+                   f"machine stops sooner, at {SFT_MAX_SECONDS:.0f} s, and says so)")
     d.add_argument("--eval-tasks", type=int, default=EVAL_TASKS, help="held-out tasks evaluated before and after RL")
     d.set_defaults(fn=_demo)
 

@@ -26,6 +26,8 @@ PROVIDED_BY = {"starlette": "fastapi", "anyio": "fastapi", "typing_extensions": 
 # Which dependency groups install each shipped package (the core dependencies always).
 GROUPS = {"gateway": [], "rollway": [], "agents": [], "migrations": [], "engine": ["engine"],
           "trainer": ["train"]}
+# Files that import an optional extra's module (lazily, behind an option that is off by default): file -> extras.
+OPTIONAL = {"trainer/tracking.py": ["wandb", "mlflow"]}
 
 
 def _name(req: str) -> str:
@@ -55,8 +57,11 @@ def _third_party_imports(package: str) -> dict[str, str]:
                 continue
             for m in modules:
                 top = m.split(".")[0]
-                if top not in sys.stdlib_module_names and top not in OWN:
-                    found.setdefault(top, str(path.relative_to(ROOT)))
+                where = str(path.relative_to(ROOT))
+                optional = {_name(r) for e in OPTIONAL.get(where, []) for r in PROJECT["optional-dependencies"][e]}
+                if top not in sys.stdlib_module_names and top not in OWN and not (
+                        top in optional or top.replace("_", "-") + "-skinny" in optional):
+                    found.setdefault(top, where)
     return found
 
 
@@ -89,3 +94,19 @@ def test_requires_python_matches_the_code() -> None:
     assert PROJECT["requires-python"].strip() == ">=3.11"
     assert tool["ruff"]["target-version"] == "py311"
     assert tool["mypy"]["python_version"] == "3.11"
+
+
+def test_the_readmes_client_sdks_come_with_all() -> None:
+    """The README's agent examples use the OpenAI SDK (core) and the Anthropic SDK: `pip install '.[all]'`
+    installs both (issue 28: `anthropic` came only with `dev`)."""
+    readme = (ROOT / "README.md").read_text()
+    assert "ANTHROPIC_BASE_URL" in readme and "OPENAI_BASE_URL" in readme
+    assert {"openai", "anthropic"} <= _declared(["all"])
+
+
+def test_the_tracking_extras_are_optional() -> None:
+    """W&B and MLflow are extras of their own: neither the core, `all` nor the trainer's `train` installs them."""
+    extras = PROJECT["optional-dependencies"]
+    assert _name(extras["wandb"][0]) == "wandb" and _name(extras["mlflow"][0]).startswith("mlflow")
+    for group in (["all"], ["train"], []):
+        assert not {n for n in _declared(group) if n.startswith(("wandb", "mlflow"))}, group

@@ -146,6 +146,27 @@ class TrainConfig:
     """SFT: steps between two probe measurements (logged as `probe_match`)."""
     sft_probe_sequences: int = 256
     """SFT: how many training chats (the first ones) the probe scores."""
+    sft_report_match: bool = False
+    """SFT: measure `probe_match` every `sft_eval_every` steps and at the last step without stopping on it (a
+    fixed step count that reports where it ended)."""
+    sft_max_seconds: float = 0.0
+    """SFT: stop after the step that ends past this many seconds of training (0 = no cap): a time cap on a
+    step count, for a slow machine. A run that stops on it says so (and at which step)."""
+
+    # --- experiment tracking (besides metrics.jsonl and TensorBoard; off by default) ---
+    wandb_project: str = ""
+    """Also log every step's metrics to this Weights & Biases project (pip install 'rollway[wandb]'); empty =
+    off. Offline (no network, files under OUT/wandb): wandb_mode = "offline" or WANDB_MODE=offline."""
+    wandb_mode: str = ""
+    """W&B's mode: online | offline | disabled; empty = W&B's own default (WANDB_MODE, else online)."""
+    mlflow_tracking_uri: str = ""
+    """Also log every step's metrics to MLflow at this tracking URI (pip install 'rollway[mlflow]'): a folder
+    (a local store, no server: FOLDER/mlflow.db) or any MLflow tracking URI (sqlite:///FILE, http(s)://host of
+    a tracking server); empty = off."""
+    mlflow_experiment: str = "rollway"
+    """MLflow: the experiment the run is logged under."""
+    run_name: str = ""
+    """The run's name in W&B and MLflow; empty = the out folder's name."""
 
     def resolved_admin_key(self) -> str:
         return self.admin_key or os.environ.get("ROLLWAY_ADMIN_KEY", "")
@@ -180,6 +201,10 @@ class TrainConfig:
             raise ValueError(f"weight_sync_catch_up_s must be >= 0, got {self.weight_sync_catch_up_s}")
         if self.lora_rank and not [t for t in self.lora_targets.split(",") if t.strip()]:
             raise ValueError("lora_targets names no layer")
+        if self.wandb_mode not in ("", "online", "offline", "disabled"):
+            raise ValueError(f"wandb_mode must be online, offline or disabled, got {self.wandb_mode!r}")
+        if self.sft_max_seconds < 0:
+            raise ValueError(f"sft_max_seconds must be >= 0, got {self.sft_max_seconds}")
         if not 0 <= self.sft_stop_at_match <= 1:
             raise ValueError(f"sft_stop_at_match must be in [0, 1], got {self.sft_stop_at_match}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):

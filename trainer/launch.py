@@ -22,13 +22,15 @@ from types import FrameType
 from rollway.embedded import die_with_parent
 from trainer.client import GatewayClient
 from trainer.config import TrainConfig, load_config, parse_overrides
+from trainer.tracking import check_installed
 
 
 def torchrun_command(config_path: str | Path, nproc: int) -> list[str]:
-    """The exact command: `python -m torch.distributed.run --standalone --nproc-per-node N -m trainer.train
-    --config FILE` (`--standalone`: a free local rendezvous port, one node)."""
+    """The exact command: `python -m trainer.torchrun --standalone --nproc-per-node N -m trainer.train
+    --config FILE` (torchrun, `torch.distributed.run`, without a traceback when stopped: trainer/torchrun.py;
+    `--standalone`: a free local rendezvous port, one node)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        sys.executable, "-m", "trainer.torchrun", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "trainer.train", "--config", str(config_path),
     ]  # fmt: skip
 
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `rollway train`; returns torchrun's exit code (2 for a bad config or gateway)."""
     try:
         cfg, nproc, cmd, env = prepare(sys.argv[1:] if argv is None else argv)
+        check_installed(cfg)  # a tracker asked for but not installed: say so here, not in rank 0 alone
         if cfg.gateway:  # fail here, with the URL in the message, rather than in N workers
             with GatewayClient(cfg.gateway, cfg.resolved_admin_key(), timeout=10.0) as client:
                 client.current_weights()

@@ -1,4 +1,5 @@
-"""Where a step's numbers go: a tqdm bar, `metrics.jsonl` (one JSON object per step) and TensorBoard.
+"""Where a step's numbers go: a tqdm bar, `metrics.jsonl` (one JSON object per step), TensorBoard, and the
+optional trackers (W&B, MLflow: trainer/tracking.py).
 
 Only rank 0 logs; other ranks get a sink that does nothing (`enabled=False`).
 """
@@ -7,11 +8,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from trainer.tracking import Tracker
 
 BAR_KEYS = ("reward_mean", "loss", "groups_accepted", "groups_filtered", "step_time_s")
 
@@ -42,8 +47,10 @@ class MetricsSink:
         total_steps: int | None = None,
         tensorboard: bool = True,
         target: BarTarget | None = None,
+        tracking: Sequence[Tracker] = (),
     ) -> None:
         self.enabled = enabled
+        self.trackers = list(tracking) if enabled else []
         self.total_steps = total_steps
         self.target = target
         self._latest: float | None = None
@@ -80,6 +87,8 @@ class MetricsSink:
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
         if self._bar is not None:
             shown = {k: f"{metrics[k]:.4g}" for k in BAR_KEYS if k in metrics}
             if self.target is None:
@@ -119,6 +128,9 @@ class MetricsSink:
             tqdm.write(message)
 
     def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:

@@ -27,6 +27,7 @@ from trainer.config import TrainConfig
 from trainer.fsdp import DistInfo, broadcast, load_sharded_model
 from trainer.metrics import BarTarget, MetricsSink
 from trainer.step import forward_logprobs, make_optimizer, sft_step
+from trainer.tracking import tracking_for
 
 
 def _ids(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool) -> list[int]:
@@ -184,12 +185,13 @@ def run_sft(cfg: TrainConfig, info: DistInfo) -> None:
     ckpt = latest_checkpoint(out / "checkpoints")
     if ckpt is not None:
         step, _ = load_checkpoint(model, optimizer, ckpt)
-    probe = rows[: cfg.sft_probe_sequences] if cfg.sft_stop_at_match > 0 else []
+    probe = rows[: cfg.sft_probe_sequences] if cfg.sft_stop_at_match > 0 or cfg.sft_report_match else []
     # with a target, the bar shows the measured match against it: that is what ends the run, `total` is a ceiling
-    target = BarTarget("probe_match", cfg.sft_stop_at_match, "match") if probe else None
-    sink = MetricsSink(out, enabled=info.is_main, total_steps=total, target=target)
+    target = BarTarget("probe_match", cfg.sft_stop_at_match, "match") if cfg.sft_stop_at_match > 0 else None
+    sink = MetricsSink(out, enabled=info.is_main, total_steps=total, target=target, tracking=tracking_for(cfg, info.is_main))
 
     # ---------------- loop
+    started = time.perf_counter()
     try:
         while step < total:
             t0 = time.perf_counter()
@@ -206,11 +208,14 @@ def run_sft(cfg: TrainConfig, info: DistInfo) -> None:
             step += 1
             metrics["step_time_s"] = time.perf_counter() - t0
             metrics["tokens"] = float(sum(len(r[0].token_ids) for r in batch))
+            # every rank decides alike (a collective follows): rank 0's clock decides the time cap
+            capped = bool(cfg.sft_max_seconds) and step < total and broadcast(
+                time.perf_counter() - started >= cfg.sft_max_seconds)
             reached = False
-            if probe and step % cfg.sft_eval_every == 0:
+            if probe and (step % cfg.sft_eval_every == 0 or step == total or capped):
                 metrics["probe_match"] = expected_match(model, probe, info.device, cfg.micro_batch_tokens)
-                reached = metrics["probe_match"] >= cfg.sft_stop_at_match
-            if step % cfg.checkpoint_every == 0 or step == total or reached:
+                reached = cfg.sft_stop_at_match > 0 and metrics["probe_match"] >= cfg.sft_stop_at_match
+            if step % cfg.checkpoint_every == 0 or step == total or reached or capped:
                 save_checkpoint(
                     model, optimizer, out / "checkpoints", step=step, version=0, keep=cfg.keep_checkpoints
                 )
@@ -220,6 +225,9 @@ def run_sft(cfg: TrainConfig, info: DistInfo) -> None:
                     f"SFT: expected exact match {metrics['probe_match']:.3f} >= {cfg.sft_stop_at_match} "
                     f"at step {step}; stopping"
                 )
+                break
+            if capped:
+                sink.note(f"SFT: time cap of {cfg.sft_max_seconds:.0f} s reached at step {step} of {total}; stopping")
                 break
         export_hf(model, source, out / "weights" / "sft-final")
     finally:

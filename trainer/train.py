@@ -22,6 +22,7 @@ Where this departs from GRPO (Shao et al. 2024, DeepSeekMath):
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import statistics
 import sys
@@ -46,6 +47,7 @@ from trainer.metrics import MetricsSink
 from trainer.pipeline import GatewayPipeline
 from trainer.plot import plot_rewards
 from trainer.step import make_optimizer, rl_step
+from trainer.tracking import tracking_for
 from trainer.weight_sync import CatchUp, SyncPayload, sync_options
 
 log = logging.getLogger("trainer")
@@ -61,6 +63,8 @@ class StepBatch:
     rewards: list[float] = field(default_factory=list)
     """Session rewards of every scored group, filtered ones included: what the policy earns."""
     filtered: int = 0
+    filtered_rewards: list[float] = field(default_factory=list)
+    """The common reward of each filtered group whose sessions all scored the same (why it was filtered)."""
     stale: int = 0
     staleness: list[int] = field(default_factory=list)
     wait_s: float = 0.0
@@ -90,6 +94,8 @@ def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, vers
             out.rewards.extend(scored.rewards)
             if not scored.samples or (cfg.dynamic_filter and scored.filtered):
                 filtered[group.group_id] = "filtered"
+                if scored.samples and scored.rewards and max(scored.rewards) == min(scored.rewards):
+                    out.filtered_rewards.append(scored.rewards[0])
                 continue
             out.groups.append(scored)
             out.leases.setdefault(lease.batch_id, []).append(group.group_id)
@@ -101,6 +107,38 @@ def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, vers
             renewer.release(lease.batch_id)
     out.wait_s = time.perf_counter() - t0
     return out
+
+
+def idle_note(batch: StepBatch, cfg: TrainConfig) -> str:
+    """Why a lease round brought nothing to train, in words, and what to change (the trainer then waits)."""
+    head = f"no trainable group within {cfg.wait_seconds:.0f}s"
+    if batch.filtered:
+        equal = batch.filtered_rewards
+        parts = []
+        if equal:
+            values = sorted(set(equal))
+            shown = ", ".join(f"{v:g}" for v in values[:3]) + (", ..." if len(values) > 3 else "")
+            parts.append(f"{'all ' if len(equal) == batch.filtered else ''}{len(equal)} of {batch.filtered} "
+                         f"filtered group(s) had equal rewards in every session ({shown}): GRPO learns nothing "
+                         "from a group whose sessions all score the same")
+        if batch.filtered > len(equal):
+            parts.append(f"{batch.filtered - len(equal)} group(s) had no sample to train (no rewarded session with "
+                         "completion tokens)")
+        if equal and max(equal) <= 0:
+            advice = ("the policy never earns a reward on these tasks: start from a model that sometimes succeeds "
+                      "(e.g. the weights of `rollway demo`'s warm-up, rollway-demo/sft/weights/sft-final, for its "
+                      "arithmetic tasks), or give easier tasks or a graded reward")
+        elif equal and min(equal) > 0 and len(set(equal)) == 1:
+            advice = "every session succeeds alike: give harder tasks"
+        else:
+            advice = "more samples per group (--n-samples) make a spread of rewards likelier"
+        return f"{head}: {'; '.join(parts)}. {advice}; waiting"
+    if batch.stale:
+        return (f"{head}: {batch.stale} group(s) dropped as stale (generated more than max_head_offpolicyness="
+                f"{cfg.max_head_offpolicyness} versions before this trainer's): raise --max-head-offpolicyness; "
+                "waiting")
+    return (f"{head}: no complete group arrived (a group is leased once each of its sessions is finished with a "
+            "reward): are agents running and finishing their sessions?; waiting")
 
 
 def _send(client: GatewayClient, version: int, path: Path | SyncPayload, batch_ids: list[str] | None,
@@ -168,7 +206,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
     out = Path(cfg.out).resolve()
     client = GatewayClient(cfg.gateway, cfg.resolved_admin_key(), cfg.http_timeout) if info.is_main else None
     renewer: LeaseRenewer | None = None
-    sink = MetricsSink(out, enabled=info.is_main, total_steps=cfg.steps or None)
+    sink = MetricsSink(out, enabled=info.is_main, total_steps=cfg.steps or None, tracking=tracking_for(cfg, info.is_main))
     pipe: GatewayPipeline[StepBatch] | None = None
     # each step's figures and advantages go to the gateway's store (the viewer's charts), off this thread
     reporter = StepReporter(client) if client is not None else None
@@ -213,10 +251,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             if pipe is not None and (cfg.steps == 0 or step + 1 < cfg.steps):
                 pipe.prefetch(version + 1)  # the next step's batch, leased while this one trains
             if not batch.groups:
-                sink.note(
-                    f"no trainable group within {cfg.wait_seconds:.0f}s "
-                    f"(filtered {batch.filtered}, stale {batch.stale}); waiting"
-                )
+                sink.note(idle_note(batch, cfg))
                 continue
 
             # ---------------- train: proximal pass, then forward/backward + optimizer step(s)
@@ -314,7 +349,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
         if client:
             client.close()
         sink.close()
-        if info.is_main and sink.jsonl_path.exists():
+        if info.is_main and sink.jsonl_path.exists() and sink.jsonl_path.stat().st_size > 0:  # a step to plot
             plot_rewards(sink.jsonl_path, out / "rewards.png", cfg.eval_log or None)
 
 
@@ -337,7 +372,13 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     # SIGTERM (torchrun forwards it; `rollway demo` stops the trainer with it) unwinds like Ctrl-C, so the
     # metrics are flushed and the reward plot is written. Held leases simply expire back to the queue.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    stopped: list[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        stopped.append(signum)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     info = init_distributed(cfg.dist_timeout)
     torch.manual_seed(cfg.seed)
     try:
@@ -351,6 +392,17 @@ def main(argv: list[str] | None = None) -> None:
         # that tore down early once aborted at exit ("terminate called without an active exception", gloo, CI).
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+    except SystemExit:
+        if not stopped:
+            raise
+        # Stopped: the metrics, checkpoints and the plot are written (the finally blocks above ran). Exit now,
+        # not after the interpreter joins the leasing thread, which may sit in a lease's long poll for up to
+        # wait_seconds (issue 28: `rollway train` took 22 s to stop); its lease expires back to the queue.
+        shutdown()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + stopped[0])
     finally:
         shutdown()
 

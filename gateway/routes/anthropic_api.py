@@ -27,7 +27,7 @@ from gateway.anthropic import (
     usage,
 )
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
-from gateway.auth import chat_session
+from gateway.auth import chat_session, model_reader
 from gateway.errors import NotFound
 from gateway.protocol import note_unknown_fields
 from gateway.routes.anthropic_stream import MessageEvents
@@ -114,7 +114,7 @@ def model_info(request: Request) -> dict[str, Any]:
 async def _models(request: Request, session_id: str | None) -> Response:
     if "anthropic-version" not in request.headers:
         return await OPENAI_ROUTES["/v1/models"][1](request, session_id)
-    await chat_session(request, session_id, anthropic=True)
+    await model_reader(request, session_id, anthropic=True)
     q = request.query_params
     info = model_info(request)
     # One model: nothing comes before or after it.
@@ -126,7 +126,7 @@ async def _models(request: Request, session_id: str | None) -> Response:
 async def retrieve_model(request: Request, session_id: str | None, model_id: str) -> Response:
     """GET /v1/models/{id}: the served model in the caller's SDK's shape; any other id is a 404."""
     anthropic = "anthropic-version" in request.headers
-    await chat_session(request, session_id, anthropic=anthropic)
+    await model_reader(request, session_id, anthropic=anthropic)
     name: str = request.app.state.model_name
     if model_id != name:
         raise NotFound(f"no model {model_id!r}: this gateway serves {name!r} (any model name is accepted on "

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway.auth import chat_session
+from gateway.auth import chat_session, model_reader
 from gateway.errors import BadRequest
 from gateway.protocol import (
     CHAT_REFUSED,
@@ -168,7 +168,7 @@ async def _completions(request: Request, session_id: str | None) -> Response:
 
 
 async def _models(request: Request, session_id: str | None) -> Response:
-    await chat_session(request, session_id)
+    await model_reader(request, session_id)
     name = request.app.state.model_name
     return json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "rollway"}

@@ -38,13 +38,13 @@ def _rl_running(procs: list[Proc]) -> bool:
     """The engine, the gateway and the RL trainer's worker (under `rollway train`'s torchrun) all run."""
     cmds = [p.cmdline for p in procs]
     return (any(" engine " in c for c in cmds) and any(" serve " in c for c in cmds)
-            and any("-m trainer.train" in c and "/train/config.json" in c and "torch.distributed" not in c
+            and any("-m trainer.train" in c and "/train/config.json" in c and "trainer.torchrun" not in c
                     for c in cmds))
 
 
 def _sft_running(procs: list[Proc]) -> bool:
     return any("-m trainer.train" in p.cmdline and "/sft/config.json" in p.cmdline
-               and "torch.distributed" not in p.cmdline for p in procs)
+               and "trainer.torchrun" not in p.cmdline for p in procs)
 
 
 def _is_trainer(p: Proc) -> bool:
@@ -87,7 +87,10 @@ def test_demo_normal_end_leaves_nothing_behind(tmp_path: Path) -> None:
                 proc.wait(0.5)
             except subprocess.TimeoutExpired:
                 pass
-        assert proc.returncode == 0, (tmp_path / "demo.log").read_text()[-3000:]
+        # 3 SFT steps leave the model scoring 0 everywhere: its groups are all filtered, so the run may train no
+        # RL step, which the demo reports with exit 1 (issue 28); either way it ends on its own
+        log = (tmp_path / "demo.log").read_text()
+        assert proc.returncode == 0 or (proc.returncode == 1 and "no RL step trained" in log), log[-3000:]
         left = tree.left_behind(LEFT_BOUND_S)
         assert not left, f"left behind: {[p.cmdline for p in left]}"
     finally:

@@ -74,6 +74,25 @@ def test_path_and_method_errors(gateway: LiveGateway, cred: dict[str, Any]) -> N
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error" and "type" not in r.json()
 
 
+def test_the_admin_key_reads_the_models_in_each_sdks_shape(gateway: LiveGateway) -> None:
+    """An operator checks what a gateway serves with the key at hand: the admin's (issue 28: it was a 403).
+    Still refused for the admin: every route that records (the chat and messages routes)."""
+    from openai import OpenAI, PermissionDeniedError
+
+    o = OpenAI(base_url=f"{gateway.url}/v1", api_key=ADMIN_KEY, max_retries=0)
+    [om] = list(o.models.list())
+    assert om.object == "model" and o.models.retrieve(om.id).id == om.id
+    a = anthropic.Anthropic(base_url=gateway.url, api_key=ADMIN_KEY, max_retries=0)
+    [am] = list(a.models.list())
+    assert am.type == "model" and am.id == om.id and a.models.retrieve(am.id).id == am.id
+    with pytest.raises(anthropic.NotFoundError):
+        a.models.retrieve("other")
+    with pytest.raises(PermissionDeniedError):
+        o.chat.completions.create(model="m", messages=USER)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.AuthenticationError):  # a key nobody issued is still refused
+        anthropic.Anthropic(base_url=gateway.url, api_key="rw-nobody", max_retries=0).models.list()
+
+
 def test_ended_session_is_409(gateway: LiveGateway, cred: dict[str, Any]) -> None:
     gateway.admin.post(f"/v1/sessions/{cred['session_id']}/finish")
     with pytest.raises(anthropic.ConflictError) as e:

@@ -37,7 +37,7 @@ def test_prepare_writes_the_config_and_the_command(tmp_path: Path) -> None:
     assert env["ROLLWAY_ADMIN_KEY"] == "secret"
     assert cmd[1:] == [
         "-m",
-        "torch.distributed.run",
+        "trainer.torchrun",  # torch.distributed.run without the traceback of a stop
         "--standalone",
         "--nproc-per-node=2",
         "-m",

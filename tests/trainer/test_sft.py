@@ -116,6 +116,30 @@ def test_sft_stops_once_the_expected_match_is_reached(
     assert f"step {len(records)}/100" in last, last
 
 
+def test_sft_fixed_steps_report_the_match_and_keep_to_a_time_cap(
+    dist_env: None, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's warm-up (issue 28): a fixed step count, the match measured (never a stop) and at the last step;
+    a time cap ends it early, saying at which step, with the weights exported and the match measured there."""
+    data = tmp_path / "chats.jsonl"
+    short = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    data.write_text("\n".join(json.dumps({"messages": short}) for _ in range(8)) + "\n")
+    base = {"mode": "sft", "model": str(tiny_model), "sft_data": str(data), "sft_epochs": 50,
+            "sft_batch_sequences": 4, "lr": 1e-2, "checkpoint_every": 1000, "sft_report_match": True,
+            "sft_eval_every": 4}
+    run_sft(load_config(None, {**base, "out": str(tmp_path / "fixed"), "steps": 10}), init_distributed(force_cpu=True))
+    records = [json.loads(x) for x in (tmp_path / "fixed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11))  # every step: the match measured never stops it
+    assert [r["step"] for r in records if "probe_match" in r] == [4, 8, 10] and 0 < records[-1]["probe_match"] <= 1
+    capsys.readouterr()
+    cfg = load_config(None, {**base, "out": str(tmp_path / "capped"), "steps": 100, "sft_max_seconds": 1e-6})
+    run_sft(cfg, init_distributed(force_cpu=True))
+    records = [json.loads(x) for x in (tmp_path / "capped" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 1 and "probe_match" in records[0]
+    assert "time cap of 0 s reached at step 1 of 100; stopping" in capsys.readouterr().out  # tqdm.write
+    assert (tmp_path / "capped" / "weights" / "sft-final" / "model.safetensors").is_file()
+
+
 def _bar_states(err: str) -> list[str]:
     return [x.strip() for x in err.split("\r") if x.strip()]
 

@@ -146,3 +146,32 @@ def test_unreachable_gateway_fails_with_the_url(dist_env: None, tiny_model: Path
     )
     with pytest.raises(RuntimeError, match=f"GatewayUnreachable: gateway {url} unreachable"):
         run_rl(cfg, init_distributed(timeout_s=60, force_cpu=True))
+
+
+def test_a_trainer_with_nothing_to_train_says_why_and_what_to_change(tmp_path: Path) -> None:
+    """Issue 28: the README's walk-through on the untrained model waited forever under "no trainable group
+    within 30s (filtered 100)". Through the real lease path (collect, against the fake gateway): every group
+    scored 0 in every session -> filtered, and the note says so and what to serve instead."""
+    from trainer.client import GatewayClient, LeaseRenewer
+    from trainer.train import StepBatch, collect, idle_note
+
+    rng = random.Random(2)
+    gw = FakeGateway([make_group(f"g{i}", [0.0, 0.0, 0.0], rng) for i in range(5)])
+    cfg = load_config(None, {"gateway": gw.url, "model": "m", "out": str(tmp_path), "wait_seconds": 0,
+                             "groups_per_step": 2})
+    client = GatewayClient(gw.url, "key", 10.0)
+    renewer = LeaseRenewer(client, cfg.lease_seconds)
+    try:
+        batch = collect(client, renewer, cfg, 0)
+    finally:
+        renewer.close()
+        client.close()
+        gw.close()
+    assert batch.groups == [] and batch.filtered == 5 and batch.filtered_rewards == [0.0] * 5
+    note = idle_note(batch, cfg)
+    assert note.startswith("no trainable group within 0s: all 5 of 5 filtered group(s) had equal rewards in every "
+                           "session (0): GRPO learns nothing"), note
+    assert "never earns a reward" in note and "sft-final" in note
+    assert "give harder tasks" in idle_note(StepBatch(filtered=2, filtered_rewards=[1.0, 1.0]), cfg)
+    assert "dropped as stale" in idle_note(StepBatch(stale=3), cfg)
+    assert "no complete group arrived" in idle_note(StepBatch(), cfg)
