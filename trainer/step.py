@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from trainer import recompute
 from trainer.batching import MicroBatch, Minibatch, collate
 from trainer.config import TrainConfig
 from trainer.loss import PolicyInputs, PPOParams, ppo_loss, sft_loss, token_logprobs
@@ -141,9 +142,10 @@ def run_minibatches(
         optimizer.zero_grad(set_to_none=True)
         for j, mb in enumerate(micro):
             _set_grad_sync(model, j == len(micro) - 1)
-            logp, entropy = forward_logprobs(model, mb, with_entropy=True)
-            loss, metrics = loss_fn(i, j, mb, logp, minibatch.normalizer)
-            (loss * world).backward()
+            with recompute.active(model, mb.n_tokens):  # long passes recompute their layers in the backward
+                logp, entropy = forward_logprobs(model, mb, with_entropy=True)
+                loss, metrics = loss_fn(i, j, mb, logp, minibatch.normalizer)
+                (loss * world).backward()
             metrics["loss_sum"] = loss.detach()
             if entropy is not None:
                 metrics["entropy_sum"] = (entropy * mb.loss_mask).sum()
