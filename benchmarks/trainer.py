@@ -15,7 +15,8 @@
 
 Prints a table, then one JSON line with every figure.
 
-    python benchmarks/trainer.py --memory         # 3. instead: logprob memory at a 151,936 vocabulary
+    python benchmarks/trainer.py --memory         # 3. and 4. instead: memory per token
+    python benchmarks/trainer.py --memory --memory-part long --long-lengths 8192,16384,32768
 
 3. Memory: the peak memory one training pass of a micro-batch adds (forward with entropy, PPO loss,
    backward), per micro-batch token, at vocabulary 151,936 (Qwen2's) and the trainer's default
@@ -27,6 +28,10 @@ Prints a table, then one JSON line with every figure.
    VmHWM after the pass minus its VmRSS before it, VmHWM reset just before (torch's CPU allocations are
    invisible to tracemalloc); the model and a small warm-up pass come first. A size whose peak, extrapolated from the same way's largest run, would pass
    `--max-gib` is not run and is shown extrapolated (the peak is linear in tokens).
+
+4. Long rows (benchmarks/trainer_memory.py): activation memory per token of one row of 8k, 16k and 32k tokens
+   on a 4-layer model, with and without activation checkpointing (and under a dense (L, L) mask, for contrast),
+   the step time checkpointing costs, and the longest row that fits `--budget-gib` of activations.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from benchmarks import trainer_memory
 from trainer.batching import MicroBatch, Row, collate, micro_batches, plan_step
 from trainer.checkpoint import export_hf, full_state_dict, save_dtype
 from trainer.config import TrainConfig
@@ -326,6 +332,12 @@ def main() -> None:
                     help="micro_batch_tokens to measure (default: two small ones and the trainer's default)")  # fmt: skip
     ap.add_argument("--max-gib", type=float, default=7.0, help="skip a memory run whose peak would pass this")
     ap.add_argument("--memory-worker", nargs=2, metavar=("WAY", "TOKENS"), help=argparse.SUPPRESS)
+    ap.add_argument("--memory-part", choices=("all", "logprobs", "long"), default="all",
+                    help="--memory: 3. (logprob memory), 4. (long rows, checkpointing) or both")
+    ap.add_argument("--long-lengths", default="8192,16384,32768", help="4.: row lengths in tokens")
+    ap.add_argument("--dense-max", type=int, default=16384, help="4.: longest row run under a dense mask")
+    ap.add_argument("--budget-gib", type=float, default=16.0, help="4.: activation memory for the longest-row line")
+    ap.add_argument("--long-worker", nargs=2, metavar=("VARIANT", "TOKENS"), help=argparse.SUPPRESS)
     ap.add_argument("--lora", action="store_true", help="instead: step time and memory, full weights vs LoRA")
     ap.add_argument("--publish", action="store_true",
                     help="instead: publish end to end (gateway + engine), full disk vs LoRA adapter, fsync or not")
@@ -349,9 +361,16 @@ def main() -> None:
     if args.memory_worker:
         memory_worker(args.memory_worker[0], int(args.memory_worker[1]))
         return
+    if args.long_worker:
+        trainer_memory.worker(args.long_worker[0], int(args.long_worker[1]))
+        return
     if args.memory:
-        sizes = [int(x) for x in args.memory_sizes.split(",")]
-        report_memory(bench_memory(sizes, args.max_gib), default_tokens)
+        if args.memory_part in ("all", "logprobs"):
+            sizes = [int(x) for x in args.memory_sizes.split(",")]
+            report_memory(bench_memory(sizes, args.max_gib), default_tokens)
+        if args.memory_part in ("all", "long"):
+            lengths = [int(x) for x in args.long_lengths.split(",")]
+            trainer_memory.report(trainer_memory.bench(lengths, args.max_gib, args.dense_max), args.budget_gib)
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}

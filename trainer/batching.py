@@ -123,7 +123,11 @@ def plan_step(
 PACK_MAX_LEN = 4096
 """Longest packed row. A packed row's mask is (L, L) and its attention is computed over the whole row (the mask
 skips nothing), so a group whose prompt and suffixes exceed this is split over several packed rows, each with its
-own copy of the prompt (a suffix alone over this length is its own row, as unpacked)."""
+own copy of the prompt. A micro-batch with a row longer than this is not packed at all: its packed row would need
+a dense mask of the square of its length (forward + backward of a 16k-token row: ~1.3 GiB with the mask against
+~27 MiB under plain causal attention, torch 2.13 on CPU), while unpacked rows run with causal attention and no
+mask, memory linear in length. Such a row is alone in its micro-batch or nearly so (`micro_batches`), so there is
+little prompt to share there anyway."""
 
 
 @dataclass
@@ -213,12 +217,14 @@ def _first_loss(row: Row) -> int | None:
 
 def pack(rows: list[Row], trained: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
     """The packed layout of `rows` (`trained`: collate's (B, T) loss positions): (input_ids, position_ids, attend, source),
-    or None when no two rows share their prompt (then packing saves nothing).
+    or None when no two rows share their prompt (then packing saves nothing) or a row is longer than PACK_MAX_LEN.
 
     A row's prompt is its tokens before its first loss token; the hidden state at the prompt's last position scores
     that token, so it is shared too. A suffix is the rest of the row's inputs (its last token is no input). Rows
     with no loss token are left out: nothing of theirs is computed.
     """
+    if any(len(r.token_ids) - 1 > PACK_MAX_LEN for r in rows):
+        return None  # a dense mask quadratic in that row's length (see PACK_MAX_LEN)
     clusters: dict[tuple[int, ...], list[int]] = {}
     for b, r in enumerate(rows):
         first = _first_loss(r)

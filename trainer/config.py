@@ -75,6 +75,13 @@ class TrainConfig:
     """Optimizer steps per leased batch (the batch is cut into this many minibatches)."""
     micro_batch_tokens: int = 8192
     """Padded tokens (rows x longest row) per forward/backward pass on one rank."""
+    activation_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """Recompute each decoder layer's activations in the backward instead of keeping them (trainer/recompute.py):
+    a fraction of the activation memory for ~1.3x the pass's time. auto: only passes of at least
+    activation_checkpointing_min_tokens padded tokens (long rows); on: every pass; off: none."""
+    activation_checkpointing_min_tokens: int = 8192
+    """auto: the padded tokens from which a pass checkpoints (the default micro_batch_tokens: only a row longer
+    than a micro-batch's budget, alone in its pass, pays the recompute)."""
     adv_std_norm: bool = False
     """Divide advantages by the group's reward std (GRPO); off by default (Dr. GRPO)."""
     clip_low: float = 0.2
@@ -195,6 +202,8 @@ class TrainConfig:
         if self.weight_sync == "distributed" and self.lora_rank:
             raise ValueError("--weight-sync distributed sends full weights; a LoRA adapter is published by path "
                              "(--weight-sync disk): choose one")
+        if self.activation_checkpointing_min_tokens < 0:
+            raise ValueError("activation_checkpointing_min_tokens must be >= 0")
         if self.lora_rank < 0 or self.lora_alpha < 0:
             raise ValueError("lora_rank and lora_alpha must be >= 0")
         if self.weight_sync_catch_up_s < 0:

@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from trainer import recompute as recompute_mod
+
 
 @dataclass
 class DistInfo:
@@ -95,9 +97,11 @@ def shard_model(model: nn.Module, info: DistInfo, *, wrap_one_cpu_rank: bool = F
 
 
 def load_sharded_model(source: str, info: DistInfo, trainable: bool = True,
-                       prepare: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+                       prepare: Callable[[nn.Module], nn.Module] | None = None,
+                       recompute: recompute_mod.Mode = "off", recompute_min_tokens: int = 0) -> nn.Module:
     """HF causal LM from `source` in float32 (master weights), FSDP2-sharded over the mesh.
-    Every rank reads the full checkpoint before sharding: fine up to a few billion parameters."""
+    Every rank reads the full checkpoint before sharding: fine up to a few billion parameters.
+    `recompute`: activation checkpointing per decoder layer (trainer/recompute.py), installed before the wrap."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
@@ -108,6 +112,8 @@ def load_sharded_model(source: str, info: DistInfo, trainable: bool = True,
         model.eval().requires_grad_(False)
     if prepare is not None:  # e.g. a LoRA adapter injected before the wrap (trainer/lora.py)
         model = prepare(model)  # type: ignore[assignment]
+    if trainable:
+        recompute_mod.install(model, decoder_layers(model), recompute, recompute_min_tokens)
     return shard_model(model, info)
 
 

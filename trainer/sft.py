@@ -179,7 +179,8 @@ def run_sft(cfg: TrainConfig, info: DistInfo) -> None:
     total = min(len(batches), cfg.steps) if cfg.steps else len(batches)
 
     # ---------------- model, optimizer, resume
-    model = load_sharded_model(source, info)
+    model = load_sharded_model(source, info, recompute=cfg.activation_checkpointing,
+                               recompute_min_tokens=cfg.activation_checkpointing_min_tokens)
     optimizer = make_optimizer(model, cfg)
     step = 0
     ckpt = latest_checkpoint(out / "checkpoints")

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from trainer import recompute
 from trainer.batching import MicroBatch, Minibatch, collate
 from trainer.config import TrainConfig
 from trainer.loss import PolicyInputs, PPOParams, ppo_loss, sft_loss, token_logprobs
@@ -141,13 +142,15 @@ def run_minibatches(
         optimizer.zero_grad(set_to_none=True)
         for j, mb in enumerate(micro):
             _set_grad_sync(model, j == len(micro) - 1)
-            logp, entropy = forward_logprobs(model, mb, with_entropy=True)
-            loss, metrics = loss_fn(i, j, mb, logp, minibatch.normalizer)
-            (loss * world).backward()
+            with recompute.active(model, mb.n_tokens) as recomputed:  # long passes recompute in the backward
+                logp, entropy = forward_logprobs(model, mb, with_entropy=True)
+                loss, metrics = loss_fn(i, j, mb, logp, minibatch.normalizer)
+                (loss * world).backward()
             metrics["loss_sum"] = loss.detach()
             if entropy is not None:
                 metrics["entropy_sum"] = (entropy * mb.loss_mask).sum()
             metrics["padded_tokens"] = torch.tensor(float(mb.n_tokens), device=mb.input_ids.device)
+            metrics["recomputed_passes"] = torch.tensor(float(recomputed), device=mb.input_ids.device)
             for k, v in metrics.items():  # kept on the device: no sync per micro-batch
                 sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
         t_opt = time.perf_counter()
@@ -162,6 +165,7 @@ def run_minibatches(
         "loss": out.pop("loss_sum") / max(len(plan), 1),
         "loss_tokens": tokens,
         "padded_tokens": out.pop("padded_tokens"),
+        "recomputed_passes": out.pop("recomputed_passes"),
         "minibatches": float(len(plan)),
         "optimizer_time_s": optimizer_s,
     }

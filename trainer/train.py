@@ -218,7 +218,9 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
         gw_version, gw_path = on_rank0(info, "reading GET /v1/weights", GatewayClient.current_weights, client)
         source = gw_path if gw_path and Path(gw_path).is_dir() else cfg.model
         # LoRA: the adapter is injected before the wrap; the base is --model (a served adapter is no model folder)
-        model = load_sharded_model(source, info, prepare=(lambda m: inject(m, cfg, source)) if cfg.lora_rank else None)
+        model = load_sharded_model(source, info, prepare=(lambda m: inject(m, cfg, source)) if cfg.lora_rank else None,
+                                   recompute=cfg.activation_checkpointing,
+                                   recompute_min_tokens=cfg.activation_checkpointing_min_tokens)
         ref_source = cfg.ref_model or cfg.model or source  # not the latest published weights after a restart
         ref_model = load_sharded_model(ref_source, info, trainable=False) if cfg.kl_coef > 0 else None
         optimizer = make_optimizer(model, cfg)
