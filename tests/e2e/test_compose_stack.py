@@ -190,10 +190,12 @@ def _stack(tmp_path_factory: pytest.TempPathFactory, stack_lock: contextlib.Exit
         "GATEWAY_BIND=127.0.0.1",
         f"GATEWAY_PORT={port}",
         # A light runner (2 CPU cores here), and a trainer that steps on 2 groups, trains groups with equal
-        # rewards too (the tiny model rarely answers right) and leases groups up to 8 versions old.
+        # rewards too (the tiny model rarely answers right) and leases groups of any age.
         "RUNNER_N_SAMPLES=2",
         "RUNNER_CONCURRENCY=2",
-        "TRAINER_ARGS=--groups-per-step 2 --dynamic-filter false --max-head-offpolicyness 8 --wait-seconds 5",
+        # No staleness bound (eta 10000): the trainer steps ~1/s on the runner's groups, so with eta 8 the agent's
+        # groups, queued behind the runner's, were stale before their turn and never trained (seen on a quiet machine).
+        "TRAINER_ARGS=--groups-per-step 2 --dynamic-filter false --max-head-offpolicyness 10000 --wait-seconds 5",
         "",
     ]))
     s = Stack(env_file, port)
