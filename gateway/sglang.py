@@ -211,8 +211,11 @@ class SGLangClient:
         await self._call("POST", "/pause_generation", {"mode": mode})
 
     async def continue_(self) -> None:
-        self.resume_pending = True  # until it succeeds: the health loop tries again once the server answers
-        await self._call("POST", "/continue_generation", {})
+        try:
+            await self._call("POST", "/continue_generation", {})
+        except BaseException:  # failed (or cancelled): the health loop tries again once the server answers
+            self.resume_pending = True  # not while the call is in flight: the loop would send a second continue
+            raise
         self.paused = self.resume_pending = False
 
     async def update_weights_from_disk(

@@ -44,8 +44,8 @@ def test_every_route_is_documented(tiny_model_dir: Any) -> None:
                 for r in [route, *flat(getattr(getattr(route, "original_router", None), "routes", []))]]
 
     routes = flat(list(app.routes))
-    # the /ui pages are HTML for a browser (docs/viewer-auth.md), not part of the API document
-    served = {(m, r.path) for r in routes if isinstance(r, APIRoute) and not r.path.startswith("/ui")
+    # the /ui pages (and the browser's /favicon.ico) are for a browser (docs/viewer-auth.md), not the API document
+    served = {(m, r.path) for r in routes if isinstance(r, APIRoute) and not r.path.startswith(("/ui", "/favicon"))
               for m in r.methods}
     for path, (method, _) in {**OPENAI_ROUTES, **RESPONSES_ROUTES, **ANTHROPIC_ROUTES}.items():
         served |= {(method, path), (method, "/sessions/{session_id}" + path)}
