@@ -50,6 +50,11 @@ AGENTS_TOOL_SCHEMA: dict[str, Any] = {
 # teach little: the number of steps is what counts. On an AVX-512 machine the 80-step model put `</think>` where
 # `<tool_call>` goes (7 client tests failed): 120 steps give every trained form there too.
 SFT_STEPS = 120
+MAX_SFT_STEPS = 480
+"""The model is checked after SFT_STEPS (`behaviour_problems`: the trained form for each prompt the tests send) and
+trained on in chunks of SFT_CHUNK steps until it passes: the same 120 steps gave `</think>` inside `<tool_call>` on
+an AMD EPYC (5 client tests failed there), since CPU kernels differ by instruction set and so do the weights."""
+SFT_CHUNK = 60
 SFT_BATCH = 4
 SFT_LR = 3e-3
 SFT_SEED = 0
@@ -104,14 +109,67 @@ def _plain_chat(rng: random.Random) -> dict[str, Any]:
 def sft_data() -> str:
     """The SFT chats as JSONL: three tool chats for each plain one."""
     rng = random.Random(SFT_SEED)
-    lines = [json.dumps(_plain_chat(rng) if i % 4 == 3 else _tool_chat(rng)) for i in range(SFT_STEPS * SFT_BATCH)]
+    lines = [json.dumps(_plain_chat(rng) if i % 4 == 3 else _tool_chat(rng))
+             for i in range(MAX_SFT_STEPS * SFT_BATCH)]
     return "\n".join(lines) + "\n"
 
 
-def _sft_args(model: Path, out: Path, data: Path) -> list[str]:
+def _sft_args(model: Path, out: Path, data: Path, steps: int = SFT_STEPS) -> list[str]:
     return ["--mode", "sft", "--model", str(model), "--out", str(out), "--sft-data", str(data),
-            "--steps", str(SFT_STEPS), "--lr", str(SFT_LR), "--nproc", "1", "--seed", str(SFT_SEED),
+            "--steps", str(steps), "--lr", str(SFT_LR), "--nproc", "1", "--seed", str(SFT_SEED),
             "--sft-batch-sequences", str(SFT_BATCH), "--checkpoint-every", "1000"]
+
+
+CHECK_QUESTIONS = ("What is 12+7?", "What is 3*4?", "What is 45-9?", "What is 8*23?")
+"""The tests' questions (12+7, and 3*4 in the Agents SDK's second run) and two more."""
+
+
+def behaviour_problems(model_dir: Path) -> list[str]:
+    """What the tuned model gets wrong, greedy, on the prompts the tests send (empty: it is fit for them): with the
+    calculate tool (either schema), `<think>` + THOUGHT + `</think>` then one well-formed Hermes call (its one
+    argument, `expression`, a string); after the tool's result, ANSWER; without tools, GREETING."""
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    lm = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def reply(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = lm.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)
+        text = str(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=False))  # <think>, <tool_call> are special
+        return text.split(str(tok.eos_token))[0]
+
+    problems = []
+    for schema in (TOOL_SCHEMA, AGENTS_TOOL_SCHEMA):
+        for q in CHECK_QUESTIONS:
+            messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+            got = reply(messages, [openai_tool(schema)])
+            m = re.fullmatch(r"<think>\n(.*)\n</think>\n<tool_call>\n(.*)\n</tool_call>", got, re.S)
+            try:
+                call = json.loads(m[2]) if m and m[1] == THOUGHT else None
+            except ValueError:
+                call = None
+            args = call.get("arguments") if isinstance(call, dict) and call.get("name") == TOOL_NAME else None
+            if not (isinstance(args, dict) and list(args) == ["expression"] and isinstance(args["expression"], str)):
+                problems.append(f"{q!r}: {got!r}")
+                continue
+            expression = args["expression"]  # well-formed is what the tests need; a tiny model copies it badly
+            tool_call = {"id": "call_0", "type": "function",
+                         "function": {"name": TOOL_NAME, "arguments": json.dumps({"expression": expression})}}
+            messages += [{"role": "assistant", "content": f"<think>\n{THOUGHT}\n</think>", "tool_calls": [tool_call]},
+                         {"role": "tool", "tool_call_id": "call_0", "content": calculate(expression)}]
+            if (got := reply(messages, [openai_tool(schema)])) != ANSWER:
+                problems.append(f"{q!r} after the tool: {got!r}")
+    for text in ("Hello there.", "What can you do?"):
+        if (got := reply([{"role": "user", "content": text}])) != GREETING:
+            problems.append(f"{text!r}: {got!r}")
+    return problems
 
 
 def cache_key() -> str:
@@ -120,7 +178,8 @@ def cache_key() -> str:
 
     h = hashlib.sha256()
     h.update(sft_data().encode())
-    h.update(json.dumps(_sft_args(Path("M"), Path("O"), Path("D"))).encode())
+    h.update(json.dumps([_sft_args(Path("M"), Path("O"), Path("D")), MAX_SFT_STEPS, SFT_CHUNK,
+                         CHECK_QUESTIONS]).encode())
     h.update(Path(engine.tiny_model.__file__).read_bytes())
     return h.hexdigest()[:16]
 
@@ -140,10 +199,20 @@ def tuned_model(cache_dir: Path, log: Any = None) -> Path:
         data = work / "sft.jsonl"
         data.write_text(sft_data())
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        proc = subprocess.run([sys.executable, "-m", "rollway.cli", "train", *_sft_args(base, work / "sft", data)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"SFT failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+        steps = SFT_STEPS
+        while True:  # each run resumes from the last one's checkpoint
+            shutil.rmtree(work / "sft" / "weights" / "sft-final", ignore_errors=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "rollway.cli", "train", *_sft_args(base, work / "sft", data, steps)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"SFT failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+            problems = behaviour_problems(work / "sft" / "weights" / "sft-final")
+            if not problems:
+                break
+            if steps >= MAX_SFT_STEPS:
+                raise RuntimeError(f"the tuned model still misbehaves after {steps} SFT steps: {problems}")
+            steps += SFT_CHUNK
         final.parent.mkdir(parents=True, exist_ok=True)
         try:
             (work / "sft" / "weights" / "sft-final").rename(final)
@@ -153,5 +222,6 @@ def tuned_model(cache_dir: Path, log: Any = None) -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if log is not None:
-        print(f"tuned model: {SFT_STEPS} SFT steps in {time.monotonic() - t0:.1f}s -> {final}", file=log)
+        print(f"tuned model: {steps} SFT steps in {time.monotonic() - t0:.1f}s (behaviour checked) -> {final}",
+              file=log)
     return final
