@@ -1,7 +1,7 @@
 """Long agent sessions: the gateway's cost per turn over a session's length, and the store's size per byte of
 conversation (issue 31).
 
-    python benchmarks/long_sessions.py                                   # defaults: 4 x 120 turns x 640 words
+    python benchmarks/long_sessions.py                                   # defaults: 4 x 120 turns x 400 words
     python benchmarks/long_sessions.py --sessions 2 --turns 40 --words 120 --dbs sqlite   # a quick look
     python benchmarks/long_sessions.py --code before=/path/to/old/checkout --code after=.  # alternated
 
@@ -223,6 +223,8 @@ def run_one(variant: str, code: str, dbkind: str, args: argparse.Namespace, back
     launch = workdir / "launch_gateway.py"
     launch.write_text(LAUNCH)
     os.environ["ROLLWAY_ADMIN_KEY"] = admin_key
+    # A session records prompt + completion of every turn: ~6M tokens for the defaults' 120 turns.
+    os.environ["ROLLWAY_MAX_SESSION_TOKENS"] = str(10**9)
     proc = start([sys.executable, str(launch), backend, str(tokenizer), db, str(port), str(workdir / tag)], log,
                  code)
     try:
@@ -232,8 +234,18 @@ def run_one(variant: str, code: str, dbkind: str, args: argparse.Namespace, back
         keys = [s["api_key"] for s in group["sessions"]]
         size0, _ = store_size(db, args)
         print(f"  {variant} {dbkind}: {args.sessions} x {args.turns} turns ...", file=sys.stderr, flush=True)
+        spy = None
+        if args.py_spy:  # sampled over the turns only; written when py-spy gets SIGINT
+            spy = subprocess.Popen(["py-spy", "record", "-p", str(proc.pid), "-r", "200", "-f", "raw", "-o",
+                                    str(Path(args.py_spy) / f"{variant}-{dbkind}.txt")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         t0 = time.monotonic()
-        got = asyncio.run(drive(base, keys, proc.pid, args))
+        try:
+            got = asyncio.run(drive(base, keys, proc.pid, args))
+        finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(60)
         wall = time.monotonic() - t0
         rss, hwm = rss_kib(proc.pid)
         size1, turn_bytes = store_size(db, args)
@@ -298,11 +310,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=120)
-    parser.add_argument("--words", type=int, default=640, help="words of tool output per turn")
+    parser.add_argument("--words", type=int, default=400, help="words of tool output per turn")
     parser.add_argument("--dbs", nargs="+", default=["sqlite", "postgres"], choices=["sqlite", "postgres"])
     parser.add_argument("--code", action="append", default=[], metavar="NAME=DIR",
                         help="run the gateway from this checkout (repeatable; default: this one)")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--py-spy", default="", metavar="DIR", help="py-spy record each gateway into DIR")
     parser.add_argument("--pg-host", default="127.0.0.1")
     parser.add_argument("--pg-port", type=int, default=5432)
     args = parser.parse_args()
