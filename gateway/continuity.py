@@ -146,9 +146,9 @@ class Candidate:
         """What `ParentIndex` finds the candidate by: its tools and kwargs, and the chain digest of its messages."""
         if self._digest is None:
             if self.prefix_digest is not None and self.messages:
-                self._digest = chain_step(self.prefix_digest, canonical_message(self.messages[-1]))
+                self._digest = chain_step(self.prefix_digest, message_digest(self.messages[-1]))
             else:
-                self._digest = chain_digests(canonical_message(m) for m in self.messages)[-1]
+                self._digest = chain_digests(message_digest(m) for m in self.messages)[-1]
         return tools_digest(self.canonical_tools()) + self._digest
 
 
@@ -157,17 +157,21 @@ EMPTY_CHAIN = b"\0" * DIGEST_SIZE
 """The chain digest of no messages."""
 
 
-def chain_step(previous: bytes, message: CanonicalMessage) -> bytes:
-    """The chain digest of a conversation that is `previous`'s conversation followed by `message`: BLAKE2b over
-    the previous digest and the message's canonical form as JSON (content text and content-part tuples
-    serialise differently, so they never collide)."""
-    return hashlib.blake2b(previous + orjson.dumps(tuple(message)), digest_size=DIGEST_SIZE).digest()
+def message_digest(msg: Any) -> bytes:
+    """BLAKE2b of a message's canonical form as JSON (content text and content-part tuples serialise
+    differently, so they never collide)."""
+    return hashlib.blake2b(orjson.dumps(tuple(canonical_message(msg))), digest_size=DIGEST_SIZE).digest()
 
 
-def chain_digests(messages: Any) -> list[bytes]:
-    """[digest of no messages, of the first, of the first two, ...] over canonical messages."""
+def chain_step(previous: bytes, message: bytes) -> bytes:
+    """The chain digest of `previous`'s conversation followed by the message of digest `message`."""
+    return hashlib.blake2b(previous + message, digest_size=DIGEST_SIZE).digest()
+
+
+def chain_digests(message_digests: Any) -> list[bytes]:
+    """[digest of no messages, of the first, of the first two, ...] over message digests."""
     out = [EMPTY_CHAIN]
-    for m in messages:
+    for m in message_digests:
         out.append(chain_step(out[-1], m))
     return out
 
@@ -176,14 +180,46 @@ def tools_digest(canonical_tools_and_kwargs: str) -> bytes:
     return hashlib.blake2b(canonical_tools_and_kwargs.encode(), digest_size=DIGEST_SIZE).digest()
 
 
+RAW_CACHE_BYTES = 64 << 20
+"""The most JSON `ParentIndex` keeps to know messages it has seen (then it starts over)."""
+
+
 class ParentIndex:
     """A session's candidates by `Candidate.key`, the latest kept for each key (so the latest wins ties, as in
-    `choose_parent`). Memory: one entry per turn."""
+    `choose_parent`), and the digests of the messages its requests sent, by their exact JSON: a message sent
+    again as it was is not put in canonical form again. Memory: one entry per turn, and the JSON of each
+    distinct message once (at most RAW_CACHE_BYTES)."""
 
-    __slots__ = ("_by_key",)
+    __slots__ = ("_by_key", "_raw", "_raw_bytes")
 
     def __init__(self) -> None:
         self._by_key: dict[bytes, Candidate] = {}
+        self._raw: dict[bytes, bytes] = {}
+        self._raw_bytes = 0
+
+    def digests(self, messages: Sequence[Any]) -> list[bytes]:
+        """The chain digests of `messages` (`chain_digests`), each message's digest from the cache when its
+        exact JSON was seen before."""
+        raw = self._raw
+        out = [EMPTY_CHAIN]
+        for m in messages:
+            key = None
+            if isinstance(m, dict):
+                try:
+                    key = orjson.dumps(m)
+                except (TypeError, orjson.JSONEncodeError):
+                    key = None
+            digest = raw.get(key) if key is not None else None
+            if digest is None:
+                digest = message_digest(m)
+                if key is not None:
+                    if self._raw_bytes + len(key) > RAW_CACHE_BYTES:
+                        raw.clear()
+                        self._raw_bytes = 0
+                    raw[key] = digest
+                    self._raw_bytes += len(key)
+            out.append(chain_step(out[-1], digest))
+        return out
 
     def add(self, cand: Candidate) -> None:
         key = cand.key()
@@ -199,7 +235,7 @@ class ParentIndex:
 
         One canonical form and one digest per request message, one dict lookup per prefix length; when no
         candidate is a prefix, `choose_parent` (comparing message by message) tells the reason."""
-        chain = chain_digests(canonical_message(m) for m in new_messages)
+        chain = self.digests(new_messages)
         if not candidates:
             return ParentChoice(None, "first_turn"), None, chain[-1]
         prefix = tools_digest(canonical_tools(tools) + "\0" + _canonical_json(template_kwargs or {}))

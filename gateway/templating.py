@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +276,7 @@ class ChatTemplate:
         *,
         parent_prompt: str | None = None,
         kwargs: Mapping[str, Any] | None = None,
+        check_new_chars: Callable[[int], None] | None = None,
     ) -> tuple[list[int], str] | None:
         """The ids to append to the parent's prompt + completion ids for `new_messages`, with the rendered
         text of the whole new prompt; None when the template is not prefix stable here (the caller starts
@@ -289,7 +290,9 @@ class ChatTemplate:
         emitted. A template that renders no end marker after the reply (GLM: the next role's header ends a
         turn, and the model emits that header as its stop token) extends when what it renders next starts
         with the stop token the model emitted; the chain holds it once. `kwargs`: the chat_template_kwargs
-        of parent and request (continuity extends only turns with the same ones).
+        of parent and request (continuity extends only turns with the same ones). `check_new_chars`: called,
+        before anything is tokenized, with how many characters the full rendering adds after the parent's
+        conversation (the text of the new messages, as the client sent it); it may raise to refuse the request.
         """
         if not prev_messages or not new_messages:
             raise ValueError("extension needs the parent's messages and at least one new message")
@@ -297,6 +300,9 @@ class ChatTemplate:
         hf_prev = hf_all[: len(prev_messages)]
         full = self._render(hf_all, hf_tools, True, hf_kwargs)
         prefix = self._render(hf_prev, hf_tools, False, hf_kwargs)
+        if check_new_chars is not None:
+            unmark = self._encoder.unmark if marked else str
+            check_new_chars(len(unmark(full)) - len(unmark(prefix)))
         if not full.startswith(prefix):
             return None
         # The reply's end-of-turn is the last stop marker inside the reply's own rendering: a template that

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import threading
 import time
@@ -329,12 +330,12 @@ class TurnService:
         if parent is not None:
             n_prev = len(parent.messages)
             share_messages(req.messages, parent.messages)  # the view then keeps each message once
+            check = None
             if big and self.chars_per_token is not None:
-                self._check_extension(template, parent.messages, req, view.lengths[parent.turn_id],
-                                      self.chars_per_token)
+                check = functools.partial(self._check_extension, view.lengths[parent.turn_id], self.chars_per_token)
             ext = template.extension(
                 parent.messages, view.completion(parent.turn_id), req.messages[n_prev:], req.tools,
-                parent_prompt=view.prompt_texts.get(parent.turn_id), kwargs=kwargs,
+                parent_prompt=view.prompt_texts.get(parent.turn_id), kwargs=kwargs, check_new_chars=check,
             )
             if ext is not None:
                 ids, text = ext
@@ -350,14 +351,10 @@ class TurnService:
             ids, text = template.render_prompt(req.messages, req.tools, kwargs)
         return None, reason, ids, ids, text, digest
 
-    def _check_extension(
-        self, template: ChatTemplate, before: list[dict[str, Any]], req: TurnRequest, chain: int, per_token: int
-    ) -> None:
-        """Refuse an extension too long for the context before it is tokenized: its text holds at least
-        everything the full rendering adds after the parent's conversation (`ChatTemplate.extension`)."""
-        kwargs = self.kwargs_of(req)
-        new = len(template.render_text(req.messages, req.tools, kwargs=kwargs)) - len(
-            template.render_text(before, req.tools, add_generation_prompt=False, kwargs=kwargs))
+    def _check_extension(self, chain: int, per_token: int, new: int) -> None:
+        """Refuse an extension too long for the context before it is tokenized: its text holds at least the `new`
+        characters the full rendering adds after the parent's conversation (`ChatTemplate.extension`), on top
+        of the `chain` ids of the turn it extends."""
         at_least = chain - (-new // per_token)
         if at_least >= self.context_length:
             raise ContextLengthExceeded(

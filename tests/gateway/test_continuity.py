@@ -18,6 +18,7 @@ from gateway.continuity import (
     canonical_tools,
     chain_digests,
     choose_parent,
+    message_digest,
     messages_equal,
 )
 from gateway.protocol import ChatMessage
@@ -371,7 +372,7 @@ def test_index_answers_as_choose_parent(cands: list[Candidate], tools: Any, kwar
         choice, parent, digest = index.find(cands, request, tools, kwargs)
         assert choice == choose_parent(cands, request, tools, kwargs), request
         assert (parent.turn_id if parent else None) == choice.parent_turn_id
-        assert digest == chain_digests(canonical_message(m) for m in request)[-1]
+        assert digest == chain_digests(message_digest(m) for m in request)[-1]
 
 
 def test_candidate_key_from_its_request_digest() -> None:
@@ -396,3 +397,15 @@ def test_index_on_a_long_session_compares_no_candidate() -> None:
         cands.append(Candidate(f"t{i}", msgs, TOOLS, i, prefix_digest=digest))
         index.add(cands[-1])
     assert all(c._canon is None for c in cands)
+
+
+def test_index_digests_cache_by_exact_json() -> None:
+    """A message sent again as it was is found in the cache; one re-serialised (other key order, nulls) is put in
+    canonical form again and digests the same."""
+    index = ParentIndex()
+    first = index.digests([SYSTEM, CALL])
+    assert len(index._raw) == 2
+    again = index.digests([dict(SYSTEM), json.loads(json.dumps(CALL))])
+    assert again == first and len(index._raw) == 2
+    reordered = index.digests([{"content": "You are terse.", "role": "system", "name": None}, CALL])
+    assert reordered == first and len(index._raw) == 3
