@@ -143,11 +143,10 @@ async def _build(request: Request, session_id: str, session: dict[str, Any], key
     try:
         store: Store = request.app.state.store
         rows = await off_loop(store, lambda: token_turns(store.engine, session_id))  # ~10 MB for 200 turns
-        gamma = float(getattr(getattr(request.app.state, "settings", None), "gamma", 1.0))
         # A walk over the turns, not the tokens (~10 ms for 200 turns of 4k tokens); off the loop all the same,
         # for the drift report's compare of a broken chain against the earlier ones.
         group = await store.group(session["group_id"])
-        chains = await asyncio.to_thread(build_chains, rows, session.get("reward"), gamma, bool(group.get("is_eval")))
+        chains = await asyncio.to_thread(build_chains, rows, bool(group.get("is_eval")))
         hit = (chains, [r.id for r in rows])
         cache.put(key, hit)
         return hit

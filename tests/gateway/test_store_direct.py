@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import NotFound
+from gateway.samples import LeaseSamples
 from gateway.store.db import create_engine
 from gateway.store.store import Store
 from gateway.wire import pack
@@ -150,7 +151,7 @@ async def _reward_scenarios(store: Store) -> list[Any]:
     _, d = await store.create_group("after the lease", 2, sampling={})
     for sid, _ in d:
         await call(sid, 1.0, True)
-    leases = Leases(store, 1.0)
+    leases = Leases(store, LeaseSamples(1.0))
     await leases.lease(LeaseRequest(64, 60, None, None, None))
     await call(d[0][0], 1.0, True)  # the same reward again: fine
     await call(d[0][0], 0.0, True)  # another one: final
@@ -211,7 +212,7 @@ async def test_admission_reads_what_the_core_path_reads(db_url: str) -> None:
 
     store = Store(create_engine(db_url))
     await store.open()
-    leases = Leases(store, gamma=1.0)
+    leases = Leases(store, LeaseSamples(1.0))
 
     async def both(default_b: int = 4, default_eta: int = 1) -> tuple[bool, int, int]:
         direct_answer = await leases.admission(default_b, default_eta)
@@ -258,7 +259,7 @@ async def test_the_admission_count_follows_every_change_of_groups(db_url: str) -
 
     store = Store(create_engine(db_url))
     await store.open()
-    leases = Leases(store, gamma=1.0)
+    leases = Leases(store, LeaseSamples(1.0))
     await leases.remember_params(LeaseRequest(max_groups=1, lease_seconds=1.0, groups_per_step=4,
                                                max_head_offpolicyness=1, trainer_version=None))
 
