@@ -149,7 +149,8 @@ async def _reward_scenarios(store: Store) -> list[Any]:
     _, c = await store.create_group("one", 1, sampling={})
     await call(c[0][0], 0.5, True)
     _, d = await store.create_group("after the lease", 2, sampling={})
-    for sid, _ in d:
+    for sid, _ in d:  # a turn each: a group with nothing to train is dropped by the lease, not leased
+        await store.insert_turn(sid, {**turn_values(f"t-{sid}"), "client_disconnected": False})
         await call(sid, 1.0, True)
     leases = Leases(store, LeaseSamples(1.0))
     await leases.lease(LeaseRequest(64, 60, None, None, None))
@@ -182,7 +183,9 @@ async def test_a_session_reward_does_on_the_direct_path_what_sqlalchemy_does(db_
             store.direct = saved
         assert direct == core
         assert direct[:4] == ["finished", "active", "finished", "finished"]
-        assert direct[-5][0] == "leased" and direct[-4][:2] == ("dropped", "too_few_sessions")  # complete: leased
+        # complete without a turn: dropped by the lease (no_samples); d, complete with turns: leased
+        assert direct[-5][:2] == ("dropped", "no_samples") and direct[-4][:2] == ("dropped", "too_few_sessions")
+        assert direct[-2][0] == "leased"
         assert ("Conflict", "group of session SID was already leased; reward is final") in direct
     finally:
         await store.close()
