@@ -73,8 +73,10 @@ class Sequence:
         rets = turn_returns(self.turn_rewards, session_reward, gamma)
         out: list[float] = []
         start = 0
-        for end, ret in zip(self.turn_ends, rets, strict=True):
-            out += [ret if m else 0.0 for m in self.loss_mask[start:end]]
+        for cstart, end, ret in zip(self.completion_starts, self.turn_ends, rets, strict=True):
+            # a turn's mask is 0 on its prompt delta and one value on its whole completion
+            learned = end > cstart and self.loss_mask[cstart]
+            out += [0.0] * (cstart - start) + [ret if learned else 0.0] * (end - cstart)
             start = end
         return out
 
