@@ -7,9 +7,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from sqlalchemy import select
+
 from gateway.store.db import create_engine
 from gateway.store.store import Store
 from gateway.store.views import (
+    G,
     LightTurn,
     RateBucket,
     RewardBucket,
@@ -37,7 +40,7 @@ async def test_eval_summary_is_finite_with_huge_rewards(db_url: str) -> None:
     store = Store(create_engine(db_url))
     await store.open()
     try:
-        gid, creds = await store.create_group("x", 2, sampling={}, metadata={"eval_version": 7}, is_eval=True)
+        _, creds = await store.create_group("x", 2, sampling={}, metadata={"eval_version": 7}, is_eval=True)
         for sid, _ in creds:
             await store.set_reward(sid, 1e308, None, finish=True)
         summary = (await store.eval_summary())["7"]
@@ -76,9 +79,6 @@ async def test_the_viewers_reads_answer_alike_on_both_stores(db_url: str) -> Non
         async with store.engine.connect() as conn:
             rewards = await reward_by_clock(conn)
             rates = await finished_by_clock(conn)
-            from sqlalchemy import select
-
-            from gateway.store.views import G
             found = (await conn.execute(select(G.c.id).where(in_version(store.engine, 3)))).scalars().all()
         assert all(isinstance(x, RewardBucket) for x in rewards) and sum(x.sessions for x in rewards) == 2
         assert sum(x.mean * x.sessions for x in rewards if x.mean is not None) == 1.0  # the training group only
