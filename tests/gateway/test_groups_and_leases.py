@@ -450,3 +450,36 @@ def test_an_unknown_lease_format_is_a_clear_400(gateway: LiveGateway) -> None:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert "lease_format" in err["message"] and "1, 2" in err["message"]
+
+
+def test_the_deprecated_gateway_gamma_keeps_its_meaning(fake: Any, tiny_model_dir: Any, db_url: str,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """ROLLWAY_GAMMA set on the gateway: a warning at start; format 1's returns are discounted with it as before,
+    and format 2's lease carries it, so a trainer without its own gamma computes the same returns."""
+    from trainer.advantages import chain_returns
+    from trainer.client import Lease, parse_group
+    from trainer.config import TrainConfig
+    from trainer.train import lease_gamma
+
+    with caplog.at_level("WARNING", logger="rollway.gateway"), \
+            LiveGateway(backends=[fake.url], tokenizer=str(tiny_model_dir), db=db_url, gamma=0.5) as gw:
+        assert any("gamma" in r.getMessage() and "deprecated" in r.getMessage() for r in caplog.records)
+        drain(gw)
+        g = gw.group(2)
+        a, b = g["sessions"]
+        ids = play(gw, a, None, turns=2)
+        body = {"reward": 1.0, "turn_rewards": [{"turn_id": ids[1], "reward": 1.0}], "finish": True}
+        assert gw.admin.post(f"/v1/sessions/{a['session_id']}/reward", json=body).status_code == 200
+        play(gw, b, 0.0)
+        one = lease(gw, lease_seconds=0.5)
+        time.sleep(0.6)
+        two = lease(gw, lease_format=2)
+        assert two["gamma"] == 0.5
+        p1, p2 = parse_group(one["groups"][0]), parse_group(two["groups"][0])
+        gamma = lease_gamma(TrainConfig(), Lease(two["batch_id"], 0, [p2], 0, 2, two["gamma"]))
+        assert gamma == 0.5
+        (s1,) = [s for s in p1.samples if s.session_id == a["session_id"]]
+        (s2,) = [s for s in p2.samples if s.session_id == a["session_id"]]
+        assert sorted({r for r, m in zip(s1.returns or [], s1.loss_mask, strict=True) if m}) == [0.5, 1.0]
+        assert chain_returns(s2, gamma) == s1.returns
+        assert gw.admin.post(f"/v1/batches/{two['batch_id']}/ack", json={}).status_code == 200
