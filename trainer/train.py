@@ -79,14 +79,14 @@ def lease_gamma(cfg: TrainConfig, lease: Lease) -> float | None:
         return None
     if cfg.gamma is None:
         return 1.0 if lease.gateway_gamma is None else lease.gateway_gamma
-    if lease.gateway_gamma is not None and lease.gateway_gamma != cfg.gamma and not _warned_gamma:
-        _warned_gamma.append(True)
+    if lease.gateway_gamma is not None and lease.gateway_gamma != cfg.gamma and lease.gateway_gamma not in _WARNED:
+        _WARNED.add(lease.gateway_gamma)  # once per value, not once per lease
         log.warning("the gateway sets the deprecated gamma=%g; this trainer's gamma=%g applies", lease.gateway_gamma,
                     cfg.gamma)
     return cfg.gamma
 
 
-_warned_gamma: list[bool] = []
+_WARNED: set[float] = set()
 
 
 def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, version: int) -> StepBatch:
