@@ -21,6 +21,7 @@ from gateway.tool_formats import (
     kimi_k2,
     llama3_json,
     mistral,
+    nemotron_json,
     qwen3_coder,
 )
 from gateway.tool_formats.base import MAGISTRAL, THINK, GrammarShape, ReasoningFormat, Signs, ToolFormat
@@ -48,6 +49,7 @@ FORMATS: tuple[ToolFormat, ...] = (
     glm45.FORMAT,
     qwen3_coder.FORMAT,
     mistral.FORMAT,
+    nemotron_json.FORMAT,
     granite.FORMAT,
     hermes.FORMAT,
     llama3_json.FORMAT,

@@ -50,7 +50,7 @@ def _db(folder: Path) -> str:
     return url
 
 
-THINKING = {"Qwen3", "QwQ", "DeepSeek-R1-Distill", "DeepSeek V3.1", "GLM-4.6", "gpt-oss"}
+THINKING = {"Qwen3", "QwQ", "DeepSeek-R1-Distill", "DeepSeek V3.1", "GLM-4.6", "gpt-oss", "Nemotron Nano 2"}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ FORMATS = {
     "Qwen2.5": "hermes", "Qwen3": "hermes", "Qwen3-Coder": "qwen3_coder", "QwQ": "hermes", "Llama 3.1": "llama3_json",
     "Llama 3.2": "llama3_json", "Hermes 3": "hermes", "DeepSeek-R1-Distill": "deepseek", "DeepSeek V3.1": "deepseek",
     "Mistral Nemo": "mistral", "Mistral Small 3.2": "mistral", "GLM-4.6": "glm45", "Kimi-K2": "kimi_k2",
-    "gpt-oss": "harmony", "Granite 3.3": "granite", "Granite 4.0": "hermes",
+    "gpt-oss": "harmony", "Granite 3.3": "granite", "Granite 4.0": "hermes", "Nemotron Nano 2": "nemotron_json",
 }
 
 
@@ -147,6 +147,27 @@ def test_deepseek_r1_reply_starts_inside_the_reasoning(families_gw: dict[str, An
     assert msg["content"] == ANSWER["content"]
     assert msg["reasoning_content"] == REASONING
     assert "</think>" not in msg["content"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_nemotron_forced_call_after_the_opened_reasoning(families_gw: dict[str, Any], stream: bool) -> None:
+    """Nemotron Nano 2's generation prompt opens `<think>`: a forced tool_choice lets the reply reason up to
+    `</think>`, then holds it to the family's `<TOOLCALL>[...]</TOOLCALL>`; the reply (the template's own
+    rendering of the call) comes back as reasoning and the call, whole and streamed."""
+    gw, ct = families_gw["gateway"]("Nemotron Nano 2")
+    call = {**CALL, "reasoning_content": REASONING}
+    reply = render_reply(ct, [SYSTEM, USER], call, TOOLS)
+    assert ct.opens_reasoning(reply.prompt_text) and "<TOOLCALL>[" in ct.completion_text(reply.ids)
+    families_gw["fake"].script([reply.ids])
+    msg = _chat(gw, gw.group(1)["sessions"][0], [SYSTEM, USER], stream=stream, tools=TOOLS, tool_choice="required")
+    tag = json.loads(families_gw["fake"].requests[-1]["sampling_params"]["structural_tag"])["format"]
+    assert [e["type"] for e in tag["elements"]] == ["tag", "const_string", "tags_with_separator", "const_string"]
+    assert (tag["elements"][0]["end"], tag["elements"][1]["value"], tag["elements"][3]["value"]) == \
+        ("</think>", "<TOOLCALL>[", "]</TOOLCALL>")
+    assert tag["elements"][2]["tags"][0]["begin"] == '{"name": "get_weather", "arguments": '
+    assert msg["reasoning_content"] == REASONING and not msg["content"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+        [("get_weather", {"city": "Paris", "days": 3})]
 
 
 def test_enable_thinking_reaches_the_template_and_a_change_is_a_new_chain(families_gw: dict[str, Any]) -> None:
