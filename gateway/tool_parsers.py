@@ -21,7 +21,7 @@ content is `None` when it is empty and there are tool calls, else a string. A ma
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from gateway.tool_decoders import ParsedToolCall, tool_schemas
 from gateway.tool_formats import (
@@ -35,6 +35,7 @@ from gateway.tool_scanners import (
     Delta,
     NoToolsScanner,
     ParsedReply,
+    ReplyParser,
     Stripper,
     partial_marker_len,
 )
@@ -147,17 +148,6 @@ class StreamingReplyParser:
         piece = self._content.push(text)
         if piece:
             out.append(("content", piece))
-
-
-class ReplyParser(Protocol):
-    """What the routes use: `StreamingReplyParser` or `HarmonyReplyParser`."""
-
-    @property
-    def tool_calls(self) -> list[ParsedToolCall]: ...
-
-    def feed(self, delta_text: str) -> list[Delta]: ...
-
-    def finish(self) -> ParsedReply: ...
 
 
 def reply_parser(

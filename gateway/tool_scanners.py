@@ -26,6 +26,17 @@ class ParsedReply:
     tool_calls: list[ParsedToolCall] = field(default_factory=list)
 
 
+class ReplyParser(Protocol):
+    """A reply's parser (gateway.tool_parsers' `StreamingReplyParser`, or harmony's): what the routes use."""
+
+    @property
+    def tool_calls(self) -> list[ParsedToolCall]: ...
+
+    def feed(self, delta_text: str) -> list[Delta]: ...
+
+    def finish(self) -> ParsedReply: ...
+
+
 class Stripper:
     """Streams a text with its surrounding whitespace removed: drops leading whitespace, holds trailing
     whitespace until more text follows it (so the stream stays a prefix of `full.strip()`)."""

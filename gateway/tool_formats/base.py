@@ -12,13 +12,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.tool_decoders import Decoder, Schemas, new_call_id
-from gateway.tool_scanners import BlockScanner, ToolCallScanner
-
-if TYPE_CHECKING:
-    from gateway.tool_parsers import ReplyParser
+from gateway.tool_scanners import BlockScanner, ReplyParser, ToolCallScanner
 
 Signs = tuple[tuple[str, ...], ...]
 """Ways a chat template shows a format: any entry whose strings all occur in the template's source."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 from gateway.tool_decoders import ParsedToolCall, Schemas, call_from_args, typed
-from gateway.tool_formats import hermes
 from gateway.tool_formats.base import ToolFormat
+from gateway.tool_formats.hermes import decode as decode_hermes
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
@@ -16,7 +16,7 @@ def decode(inner: str, schemas: Schemas) -> list[ParsedToolCall] | None:
     """Qwen3-Coder's XML, or Hermes JSON (the same model family sometimes answers so)."""
     match = _FUNCTION.fullmatch(inner)
     if match is None:
-        return hermes.decode(inner, schemas)
+        return decode_hermes(inner, schemas)
     name, body = match.group(1).strip(), match.group(2)
     props = schemas.get(name, {})
     args = {k.strip(): typed(v, props.get(k.strip())) for k, v in _PARAMETER.findall(body)}

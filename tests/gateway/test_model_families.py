@@ -299,7 +299,7 @@ def test_qwen3_drops_earlier_reasoning_so_a_new_user_turn_is_a_new_chain(familie
     turns = rec["turns"]
     assert [(t["continuity"], t["chain_reason"]) for t in turns] == [
         ("new-chain", "first_turn"), ("extends", None), ("new-chain", "template_not_prefix_stable")]
-    seqs = session_sequences(_rows(rec), 1.0, 1.0)
+    seqs = session_sequences(_rows(rec))
     assert len(seqs) == 2
     first, second = seqs
     assert first.token_ids == turns[1]["prompt_ids"] + emitted[1]
@@ -321,7 +321,7 @@ def test_llama31_python_tag_call_stays_as_the_model_emitted_it(families_gw: dict
     turns = rec["turns"]
     assert [t["continuity"] for t in turns] == ["new-chain", "extends", "extends"]
     assert rec["tool_calls"][0]["name"] == "get_weather"
-    (seq,) = session_sequences(_rows(rec), 1.0, 1.0)
+    (seq,) = session_sequences(_rows(rec))
     assert seq.token_ids == turns[2]["prompt_ids"] + emitted[2]
     assert _trained(seq) == model_call + emitted[1] + emitted[2]
     untrained = [t for t, m in zip(seq.token_ids, seq.loss_mask, strict=True) if not m]
@@ -335,7 +335,7 @@ def test_hermes3_tool_response_rendered_as_last_then_not(families_gw: dict[str, 
     ct, rec, emitted = _session(families_gw, "Hermes 3", CALL, ANSWER)
     turns = rec["turns"]
     assert [t["continuity"] for t in turns] == ["new-chain", "extends", "extends"]
-    (seq,) = session_sequences(_rows(rec), 1.0, 1.0)
+    (seq,) = session_sequences(_rows(rec))
     assert seq.token_ids == turns[2]["prompt_ids"] + emitted[2]
     assert _trained(seq) == emitted[0] + emitted[1] + emitted[2]
     # What follows the first reply in the second prompt is the template's own rendering of the tool result
