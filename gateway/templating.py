@@ -27,6 +27,7 @@ from gateway.continuity import drop_none
 from gateway.encoding import CachedEncoder
 from gateway.errors import BadRequest
 from gateway.model_formats import ModelFormats, detect
+from gateway.settings import RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
 from gateway.tool_parsers import (
     ParsedReply,
     ReasoningParser,
@@ -40,11 +41,6 @@ from gateway.tool_parsers import (
 # Tokens that end an assistant turn, by template family, in order of preference. GLM's turns end with the
 # next role's header (`<|user|>`, `<|observation|>`), which the model emits as its stop token.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|user|>")
-HARMONY_STOPS = ("<|return|>", "<|call|>")
-"""gpt-oss ends a reply with one of these; its `<|end|>` ends one message of a reply, not the reply."""
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "self"})
-"""Variables the gateway sets itself (and `self`, Jinja's own: `Template.render(self, ...)` took `{"self": 1}`
-as a second value of its first argument, a TypeError): chat_template_kwargs may not replace them."""
 
 Message = Mapping[str, Any]
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -197,8 +193,9 @@ class ChatTemplate:
         eos = list(generation_eos_ids) if generation_eos_ids is not None else _generation_eos_ids(tokenizer)
         self.stop_token_ids: list[int] = list(dict.fromkeys([*eos, self.end_of_turn_id]))
         """Model eos ids (generation_config) and the end-of-turn id, deduplicated, in that order."""
-        if self.formats.tool_parser == "harmony" and all(t in vocab for t in HARMONY_STOPS):
-            self.stop_token_ids = [vocab[t] for t in HARMONY_STOPS]
+        stops = self.tool_parser.stop_tokens if self.tool_parser is not None else ()
+        if stops and all(t in vocab for t in stops):  # gpt-oss: its `<|end|>` ends one message of a reply
+            self.stop_token_ids = [vocab[t] for t in stops]
         self._stop_set = frozenset(self.stop_token_ids)
         self._markers = tuple(self.decode([i]) for i in self.stop_token_ids)
         self._longest_marker = max(map(len, self._markers), default=1)
@@ -339,7 +336,7 @@ class ChatTemplate:
         `<｜Assistant｜><think>\n`, a thinking DeepSeek V3.1): the reply then starts inside it and only closes
         it. A prompt that opened and closed it (Qwen3 with enable_thinking false) did not."""
         rp = self.reasoning_parser
-        if rp is None or rp.name == "harmony" or not prompt_text:
+        if rp is None or rp.reply_parser is not None or not prompt_text:  # harmony's channels: no open block
             return False
         return prompt_text.rstrip().endswith(rp.open)
 
@@ -350,7 +347,7 @@ class ChatTemplate:
         offered, starting inside the reasoning when the prompt opened it. `reasoning=False` (the gateway's
         `reasoning` setting off) splits no reasoning off, harmony's channels excepted."""
         rp = self.reasoning_parser
-        if not reasoning and (rp is None or rp.name != "harmony"):
+        if not reasoning and (rp is None or rp.reply_parser is None):
             rp = None
         return reply_parser(self.tool_parser if tools else None, rp,
                             in_reasoning=rp is not None and self.opens_reasoning(prompt_text), tools=tools)
