@@ -28,10 +28,12 @@ from typing import Any, TypeVar
 
 import orjson
 
+from gateway.continuity import Candidate
 from gateway.errors import BadRequest, Conflict, ContextLengthExceeded
 from gateway.generation import Generation
 from gateway.metrics import Metrics
 from gateway.sessions_cache import SessionCache, SessionView, share_messages
+from gateway.store.requests import delta, shared_prefix
 from gateway.store.store import SessionAuth, Store, unique_id
 from gateway.templating import ChatTemplate
 from gateway.tool_grammar import ForcedTools, resolve_tool_choice, structural_tag
@@ -434,6 +436,18 @@ class TurnService:
         is then just text); inside the reasoning from the start when the generation prompt opened it."""
         return self.template.reply_parser(p.req.tools, p.prompt_text, reasoning=self.reasoning)
 
+    @staticmethod
+    def _stored_request(p: PreparedTurn, request: dict[str, Any]) -> dict[str, Any]:
+        """The request as the store keeps it: a delta on the parent's (gateway/store/requests.py) when the turn
+        extends a parent in the session's view. Its leading messages that are the parent's (messages, then
+        reply) are the parent's own objects (`share_messages` compared them byte for byte in `_continue`), so
+        the shared prefix is counted by identity: nothing here grows with the conversation."""
+        parent = _parent_candidate(p)
+        if parent is None:
+            return request
+        return delta(request, parent.turn_id, parent.messages, {"tools": parent.tools},
+                     shared=shared_prefix(p.req.messages, parent.messages))
+
     async def finish(self, p: PreparedTurn, gen: Generation, *, client_disconnected: bool = False) -> FinishedTurn:
         text = self.template.completion_text(gen.ids)
         matched = (gen.finish or {}).get("matched")
@@ -455,9 +469,10 @@ class TurnService:
             id=p.turn_id,
             parent_id=p.parent_id,
             endpoint=p.req.endpoint,
-            request={"messages": p.req.messages, "tools": p.req.tools, "asked": p.req.asked, "sampling": p.sampling,
-                     # Only when there are some: a turn's record stays as it was for the many without.
-                     **({"chat_template_kwargs": p.template_kwargs} if p.template_kwargs and not raw_only else {})},
+            request=self._stored_request(p, {
+                "messages": p.req.messages, "tools": p.req.tools, "asked": p.req.asked, "sampling": p.sampling,
+                # Only when there are some: a turn's record stays as it was for the many without.
+                **({"chat_template_kwargs": p.template_kwargs} if p.template_kwargs and not raw_only else {})}),
             reply=reply,
             prompt_ids=pack(p.prompt_delta, "int32"),
             prompt_len=len(p.prompt_ids),
@@ -494,6 +509,16 @@ class TurnService:
             disconnected=client_disconnected, chain_reason=p.chain_reason, resubmits=gen.resubmits,
         )
         return FinishedTurn(p.turn_id, text, parsed, finish)
+
+
+def _parent_candidate(p: PreparedTurn) -> Candidate | None:
+    """The parent's candidate in the view the turn was prepared against (usually its last)."""
+    if p.parent_id is None or p.view is None:
+        return None
+    for cand in reversed(p.view.candidates):
+        if cand.turn_id == p.parent_id:
+            return cand
+    return None
 
 
 def _session_full(session_id: str, recorded: int, prompt: int | None, limit: int, req: TurnRequest) -> BadRequest:

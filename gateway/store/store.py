@@ -35,6 +35,7 @@ from gateway.store.direct import (
 )
 from gateway.store.models import Group, Session, Turn
 from gateway.store.reports import ViewerStore
+from gateway.store.requests import expand
 from gateway.store.views import mean_std
 
 G = cast(Table, Group.__table__)
@@ -79,6 +80,7 @@ class TurnRow:
     seq: int
     parent_id: str | None
     request: dict[str, Any]
+    """Whole as read (`requests.expand`); as stored, a delta on its parent's where it extends it."""
     reply: dict[str, Any]
     prompt_ids: bytes
     completion_ids: bytes
@@ -194,7 +196,9 @@ class Store(ViewerStore):
         q = select(*cols).where(T.c.session_id == session_id).order_by(T.c.seq)
         async with self.engine.connect() as conn:
             rows = (await conn.execute(q)).all()
-        return [TurnRow(*r) for r in rows]
+        turns = [TurnRow(*r) for r in rows]
+        expand(turns)
+        return turns
 
     async def turns_of_sessions(self, session_ids: list[str]) -> dict[str, list[TurnRow]]:
         """`session_turns` of many sessions in one query per 500 (a lease reads every session of its groups)."""
@@ -205,6 +209,8 @@ class Store(ViewerStore):
                 q = select(T.c.session_id, *cols).where(T.c.session_id.in_(session_ids[i:i + 500]))
                 for r in (await conn.execute(q.order_by(T.c.session_id, T.c.seq))).all():
                     out[r[0]].append(TurnRow(*r[1:]))
+        for turns in out.values():
+            expand(turns)
         return out
 
     async def insert_turn(self, session_id: str, values: dict[str, Any]) -> int:

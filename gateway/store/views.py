@@ -128,24 +128,30 @@ class LightTurn:
     new_messages: list[dict[str, Any]] = field(default_factory=list)
 
 
-# Each request holds the whole history the agent replayed: a long session's requests are O(turns²) of JSON
-# (4.3 MB for the benchmark's 200 turns; parsing it all took 0.25 s). The database hands over only what is
-# new in each turn, the messages past its parent's count, taking the arrays apart in C.
+# A turn's new messages are those past its parent's count + 1 (the parent's messages and reply). A request stored
+# whole holds the whole history the agent replayed (O(turns²) of JSON in stores written before deltas: 4.3 MB for
+# the benchmark's 200 turns; parsing it all took 0.25 s); a delta (gateway/store/requests.py) holds its messages
+# from index `$from` on. The database hands over only what is new, taking the arrays apart in C; a message's index
+# is its index in the whole request (`$from` added).
 _TAIL_SQL = {  # each parent's count computed once (MATERIALIZED), not once per element: 0.33 -> 0.05 s
     "sqlite": """WITH x AS MATERIALIZED (
-            SELECT t.seq, t.request, COALESCE(json_array_length(p.request, '$.messages') + 1, 0) AS first
+            SELECT t.seq, t.request, COALESCE(json_extract(t.request, '$."$from"'), 0) AS off,
+                COALESCE(json_array_length(p.request, '$.messages') + 1
+                         + COALESCE(json_extract(p.request, '$."$from"'), 0), 0) AS first
             FROM turns t LEFT JOIN turns p ON p.id = t.parent_id WHERE t.session_id = :sid)
-        SELECT x.seq, j.key, j.value FROM x, json_each(x.request, '$.messages') j WHERE j.key >= x.first
-        ORDER BY x.seq, j.key""",
+        SELECT x.seq, j.key + x.off, j.value FROM x, json_each(x.request, '$.messages') j
+        WHERE j.key + x.off >= x.first ORDER BY x.seq, j.key""",
     # PostgreSQL's json is text, parsed again by every function given it: each request's messages are taken out
     # once (x), counted once (n), taken apart once (here 3 parses of 4.3 MB, ~140 ms; it was 6, ~230 ms).
     "postgresql": """WITH x AS MATERIALIZED (
-            SELECT t.id, t.parent_id, t.seq, t.request->'messages' AS m FROM turns t WHERE t.session_id = :sid),
-        y AS MATERIALIZED (SELECT id, parent_id, seq, CASE WHEN json_typeof(m) = 'array' THEN m END AS m FROM x),
-        n AS MATERIALIZED (SELECT id, json_array_length(m) AS n FROM y WHERE m IS NOT NULL)
-        SELECT y.seq, j.idx - 1, j.value::text FROM y LEFT JOIN n ON n.id = y.parent_id
+            SELECT t.id, t.parent_id, t.seq, t.request->'messages' AS m,
+                COALESCE((t.request->>'$from')::int, 0) AS off FROM turns t WHERE t.session_id = :sid),
+        y AS MATERIALIZED (SELECT id, parent_id, seq, off, CASE WHEN json_typeof(m) = 'array' THEN m END AS m
+                           FROM x),
+        n AS MATERIALIZED (SELECT id, json_array_length(m) + off AS n FROM y WHERE m IS NOT NULL)
+        SELECT y.seq, j.idx - 1 + y.off, j.value::text FROM y LEFT JOIN n ON n.id = y.parent_id
             CROSS JOIN LATERAL json_array_elements(y.m) WITH ORDINALITY AS j(value, idx)
-        WHERE j.idx - 1 >= COALESCE(n.n + 1, 0) ORDER BY 1, 2""",
+        WHERE j.idx - 1 + y.off >= COALESCE(n.n + 1, 0) ORDER BY 1, 2""",
 }
 
 
