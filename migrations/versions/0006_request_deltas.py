@@ -40,7 +40,7 @@ sessions = sa.table("sessions", sa.column("id", sa.String))
 
 
 class _Row:
-    __slots__ = ("id", "parent_id", "request", "reply", "stored")
+    __slots__ = ("id", "parent_id", "reply", "request", "stored")
 
     def __init__(self, id: str, parent_id: str | None, request: Any, reply: Any) -> None:
         self.id, self.parent_id, self.stored, self.reply = id, parent_id, request, reply

@@ -34,7 +34,7 @@ def _chat(gw: LiveGateway, cred: dict[str, Any], messages: list[dict[str, Any]],
     r = httpx.post(f"{cred['base_url']}/chat/completions", headers={"Authorization": f"Bearer {cred['api_key']}"},
                    json={"model": "m", "messages": messages, "max_tokens": 6, **kw}, timeout=60)
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["message"]  # type: ignore[no-any-return]
+    return r.json()["choices"][0]["message"]
 
 
 def _record(gw: LiveGateway) -> dict[str, list[list[dict[str, Any]]]]:
@@ -121,7 +121,7 @@ def _readers(gw_url: str, url: str, session_ids: list[str]) -> dict[str, Any]:
             await store.close()
 
     out.update(asyncio.run(store_reads()))
-    return orjson.loads(orjson.dumps(out, option=orjson.OPT_PASSTHROUGH_DATACLASS, default=_bytes))  # type: ignore[no-any-return]
+    return orjson.loads(orjson.dumps(out, option=orjson.OPT_PASSTHROUGH_DATACLASS, default=_bytes))
 
 
 def _bytes(value: Any) -> Any:
@@ -177,7 +177,7 @@ def test_deltas_are_stored_and_every_reader_answers_as_from_whole_requests(recor
         calls += 1
         if calls > 2:
             raise KeyboardInterrupt
-        return m._compact(rows)  # type: ignore[no-any-return]
+        return m._compact(rows)
 
     with pytest.raises(KeyboardInterrupt):
         _run(db_url, lambda c: m._rewrite(c, "upgrade", stopping), autocommit=True)
@@ -194,7 +194,7 @@ def test_deltas_are_stored_and_every_reader_answers_as_from_whole_requests(recor
 
     def counting(rows: list[Any]) -> dict[str, Any]:
         seen.append(len(rows))
-        return m._compact(rows)  # type: ignore[no-any-return]
+        return m._compact(rows)
 
     _run(db_url, lambda c: m._rewrite(c, "upgrade", counting), autocommit=True)
     # It continued after the last committed batch: the sessions done before were not read again.
