@@ -143,6 +143,12 @@ class TurnRequest:
     """Size of the request body: a big one is prepared off the event loop (BIG_BODY_BYTES)."""
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """The request's chat_template_kwargs (the settings' defaults are added in `prepare`)."""
+    new_chain_reason: str | None = None
+    """Set: the prompt is rendered whole as a new chain with this reason, whatever turn it would extend (an
+    Anthropic context edit changed what the model sees of the history)."""
+    fit_to_context: bool = False
+    """A max_tokens over what the context leaves is cut to it rather than refused (Anthropic's Messages API,
+    whose reply then stops with `model_context_window_exceeded`)."""
 
 
 @dataclass(slots=True)
@@ -216,7 +222,14 @@ class TurnService:
 
     async def prepare(self, auth: SessionAuth, req: TurnRequest, *, max_session_tokens: int | None = None) -> PreparedTurn:
         """`max_session_tokens`: refuse the turn when the tokens the session recorded so far plus its prompt
-        exceed it (Settings.max_session_tokens)."""
+        exceed it (Settings.max_session_tokens). A refusal's `param` names the caller's field (`caller_param`)."""
+        try:
+            return await self._prepare(auth, req, max_session_tokens)
+        except BadRequest as e:
+            e.param = caller_param(req.endpoint, e.param)
+            raise
+
+    async def _prepare(self, auth: SessionAuth, req: TurnRequest, max_session_tokens: int | None) -> PreparedTurn:
         if auth.state != "active":
             raise Conflict(f"session {auth.id} is {auth.state}; it takes no more turns", code="session_ended")
         if req.json_schema is not None:
@@ -245,7 +258,7 @@ class TurnService:
             parent_id, reason, prompt, delta, text = self._continue(view, req)
         if max_session_tokens is not None and recorded + len(prompt) > max_session_tokens:
             raise _session_full(auth.id, recorded, len(prompt), max_session_tokens, req)
-        max_new = self._budget(len(prompt), req.max_tokens)
+        max_new = self._budget(len(prompt), req.max_tokens, req.fit_to_context)
         sampling, temperature = self._sampling(auth.sampling, req)
         if req.forced is not None:
             sampling["structural_tag"] = self._tool_grammar(req, text)
@@ -259,11 +272,10 @@ class TurnService:
 
     def _tool_grammar(self, req: TurnRequest, prompt_text: str | None) -> str:
         """The structural tag of a forced tool_choice (gateway/tool_grammar.py). When the generation prompt
-        opened the reasoning block, the reply first closes it, freely."""
+        opened the reasoning block, the reply first closes it, freely. With a JSON schema too (response_format,
+        text.format, output_config.format) the forced call wins, as on OpenAI's and Anthropic's APIs: the schema
+        is for text output, and a forced reply holds none (`_sampling` leaves it out)."""
         assert req.forced is not None
-        if req.json_schema is not None:
-            raise BadRequest("response_format and a forced tool_choice cannot be combined: the reply is either "
-                             "JSON or tool calls", param="response_format")
         rp = self.template.reasoning_parser
         close = rp.close if rp is not None and self.reasoning and self.template.opens_reasoning(prompt_text) else None
         return structural_tag(self.template.formats.tool_parser, req.tools or [], req.forced, reasoning_close=close)
@@ -324,7 +336,9 @@ class TurnService:
         template = self._worker_template() if big else self.template
         kwargs = self.kwargs_of(req)
         choice = choose_parent(view.candidates, req.messages, req.tools, kwargs)
-        if choice.parent_turn_id is not None:
+        if req.new_chain_reason is not None and choice.parent_turn_id is not None:  # it would have extended that
+            reason: str | None = req.new_chain_reason
+        elif choice.parent_turn_id is not None:
             parent = next(c for c in view.candidates if c.turn_id == choice.parent_turn_id)
             n_prev = len(parent.messages)
             chain = view.chains[parent.turn_id]
@@ -337,7 +351,7 @@ class TurnService:
             if ext is not None:
                 ids, text = ext
                 return parent.turn_id, None, [*chain, *ids], ids, text
-            reason: str | None = "template_not_prefix_stable"
+            reason = "template_not_prefix_stable"
         else:
             reason = choice.reason
         if not big:
@@ -379,7 +393,7 @@ class TurnService:
             self._renders.move_to_end(key)
         return list(hit[0]), hit[1]
 
-    def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
+    def _budget(self, prompt_len: int, max_tokens: int | None, fit: bool = False) -> int:
         ctx = self.context_length
         if prompt_len >= ctx:
             raise ContextLengthExceeded(
@@ -388,6 +402,8 @@ class TurnService:
         if max_tokens is None:
             return ctx - prompt_len
         if prompt_len + max_tokens > ctx:
+            if fit:
+                return ctx - prompt_len
             raise ContextLengthExceeded(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's context "
                 f"length of {ctx} tokens",
@@ -415,7 +431,7 @@ class TurnService:
             params["sampling_seed"] = int(seed)
         if req.stop:
             params["stop"] = req.stop
-        if req.json_schema is not None:
+        if req.json_schema is not None and req.forced is None:  # a forced tool call's grammar wins (_tool_grammar)
             params["json_schema"] = req.json_schema
         # Behaviour logprobs of greedy decoding are reported at T = 1 (docs/sglang-contract.md "Logprobs").
         return params, temperature if temperature > 0 else 1.0
@@ -521,6 +537,23 @@ def tools_for_choice(
 
 SCHEMA_PARAM = {"responses": "text.format", "messages": "output_config.format"}
 """The field that carries a turn's json_schema, by endpoint (chat and completions: response_format)."""
+_CALLER_FIELDS = {
+    "responses": {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"},
+    "messages": {"response_format": "output_config.format"},
+}
+"""Chat Completions' field names, as the turn service raises them, by what each endpoint calls them."""
+
+
+def caller_param(endpoint: str, param: str | None) -> str | None:
+    """`param` as the endpoint's caller names it: the turn service speaks Chat Completions' fields (`messages`,
+    `max_tokens`), which a Responses caller sends as `input` and `max_output_tokens`. A message index of the
+    translated conversation is not the caller's item index: it becomes the whole field."""
+    names = _CALLER_FIELDS.get(endpoint)
+    if param is None or names is None:
+        return param
+    if param.startswith("messages."):
+        return names.get("messages", param)
+    return names.get(param, param)
 
 
 def _check_json_schema(req: TurnRequest) -> None:

@@ -140,6 +140,9 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     with contextlib.ExitStack() as stack:
         stack.callback(sock.close)
+        # Made here whatever the key's source: with ROLLWAY_ADMIN_KEY set, nothing else creates it before the
+        # engine's log and the SQLite store are opened inside it.
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         key, generated = admin_key(data_dir)
         private_data_dir(data_dir, settings.db_url)
         if generated:

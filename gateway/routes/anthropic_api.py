@@ -17,11 +17,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from gateway.anthropic import (
+    Counter,
     check_blocks,
     content_blocks,
+    context_cut,
     session_signing_key,
     signing_key,
     stop_reason,
+    thinking_kwargs,
     thinking_omitted,
     turn_request,
     usage,
@@ -69,27 +72,43 @@ def _key(request: Request, session_id: str) -> bytes:
     return session_signing_key(signing_key(request.app.state.admin_key), session_id)
 
 
+def _counter(turns: TurnService, body: CountTokensRequest) -> Counter | None:
+    """Token counts for context edits (only a request that carries edits pays for them)."""
+    if body.context_management is None or not body.context_management.edits:
+        return None
+    template = turns.template
+    kwargs = thinking_kwargs(body.thinking, template.tokenizer.chat_template or "")
+    return Counter(text=lambda t: len(template.encode(t)),
+                   prompt=lambda msgs, tools: len(template.render_prompt(msgs, tools, {**turns.template_kwargs, **kwargs})[0]))
+
+
 async def _messages(request: Request, session_id: str | None) -> Response:
     auth = await chat_session(request, session_id, anthropic=True)  # the key first, before the body is read
     _note_headers(request)
     body, size = await _read(request, MessagesRequest)
     turns: TurnService = request.app.state.turns
     key = _key(request, auth.id)
-    req = turn_request(body, size, key=key, template_source=turns.template.tokenizer.chat_template or "")
+    req, edits = turn_request(body, size, key=key, template_source=turns.template.tokenizer.chat_template or "",
+                              count=_counter(turns, body))
     prepared = await turns.prepare(auth, req, max_session_tokens=request.app.state.settings.max_session_tokens)
     prepared.turn_id = unique_id("msg_")  # Anthropic's id form; the turn is stored under it
     model: str = request.app.state.model_name
     omit = thinking_omitted(body)
+    managed = {"applied_edits": edits.applied} if body.context_management is not None else None
     if body.stream:
-        return await stream_turn(request, prepared, MessageEvents(prepared, model=model, key=key, omit_thinking=omit))
+        return await stream_turn(request, prepared, MessageEvents(prepared, model=model, key=key, omit_thinking=omit,
+                                                                  context_management=managed))
     gen, done = await run_to_end(request, prepared)
-    reason, sequence = stop_reason(done.finish_reason, gen, req.stop)
-    return json_response({
+    reason, sequence = stop_reason(done.finish_reason, gen, req.stop, window=context_cut(prepared))
+    answer: dict[str, Any] = {
         "id": done.turn_id, "type": "message", "role": "assistant", "model": model,
         "content": content_blocks(done.parsed, done.turn_id, key, omit_thinking=omit),
         "stop_reason": reason, "stop_sequence": sequence,
         "usage": usage(len(prepared.prompt_ids), len(gen.ids), gen.cached_tokens),
-    })
+    }
+    if managed is not None:
+        answer["context_management"] = managed
+    return json_response(answer)
 
 
 async def _count_tokens(request: Request, session_id: str | None) -> Response:
@@ -98,10 +117,14 @@ async def _count_tokens(request: Request, session_id: str | None) -> Response:
     auth = await chat_session(request, session_id, anthropic=True)
     body, size = await _read(request, CountTokensRequest)
     turns: TurnService = request.app.state.turns
-    req = turn_request(body, size, key=_key(request, auth.id),
-                       template_source=turns.template.tokenizer.chat_template or "")
+    req, edits = turn_request(body, size, key=_key(request, auth.id),
+                              template_source=turns.template.tokenizer.chat_template or "", count=_counter(turns, body))
     prepared = await turns.prepare(auth, req)
-    return json_response({"input_tokens": len(prepared.prompt_ids)})
+    answer: dict[str, Any] = {"input_tokens": len(prepared.prompt_ids)}
+    if body.context_management is not None:
+        answer["context_management"] = {"original_input_tokens": len(prepared.prompt_ids) + sum(
+            e["cleared_input_tokens"] for e in edits.applied)}
+    return json_response(answer)
 
 
 def model_info(request: Request) -> dict[str, Any]:

@@ -109,7 +109,7 @@ def test_ended_session_is_409(gateway: LiveGateway, cred: dict[str, Any]) -> Non
     ({**OK, "max_tokens": 0}, "max_tokens"),
     ({**OK, "temperature": 1.5}, "temperature"),
     ({**OK, "messages": []}, "messages"),
-    ({**OK, "messages": [{"role": "system", "content": "x"}]}, "role"),
+    ({**OK, "messages": [{"role": "developer", "content": "x"}]}, "role"),
     ({**OK, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "text-only"),
     ({**OK, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "text-only"),
     ({**OK, "messages": [{"role": "user", "content": [{"type": "mystery"}]}]}, "'mystery' is not supported"),
