@@ -112,10 +112,7 @@ async def _query(base_url: str, api_key: str, workdir: pathlib.Path) -> dict[str
 
 
 def _in_venv(base_url: str, api_key: str, workdir: pathlib.Path) -> dict[str, Any]:
-    python = VENV / "bin" / "python"
-    if not python.is_file():
-        venv.create(VENV, with_pip=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *REQUIREMENTS], check=True)
+    python = ensure_venv()
     env = {**os.environ, "ROLLWAY_ANTHROPIC_BASE_URL": anthropic_base(base_url)}
     env.pop("PYTHONPATH", None)
     proc = subprocess.run([str(python), __file__, base_url, api_key, str(workdir)], env=env, capture_output=True,
@@ -125,6 +122,24 @@ def _in_venv(base_url: str, api_key: str, workdir: pathlib.Path) -> dict[str, An
         return {"ok": False, "calls": 0, "chains": 0, "version": VERSION,
                 "detail": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}"}
     return dict(json.loads(lines[-1]))
+
+
+def ensure_venv() -> pathlib.Path:
+    """The pinned venv's python (made on first use, from PyPI)."""
+    python = VENV / "bin" / "python"
+    if not python.is_file():
+        venv.create(VENV, with_pip=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *REQUIREMENTS], check=True)
+    return python
+
+
+def bundled_cli() -> pathlib.Path:
+    """The Claude Code CLI the pinned SDK's wheel bundles."""
+    python = ensure_venv()
+    out = subprocess.run([str(python), "-c", "import claude_agent_sdk, pathlib; print(pathlib.Path("
+                          "claude_agent_sdk.__file__).parent / '_bundled' / 'claude')"],
+                         capture_output=True, text=True, check=True, env={"PATH": os.environ.get("PATH", "")})
+    return pathlib.Path(out.stdout.strip())
 
 
 def run(base_url: str, api_key: str, workdir: pathlib.Path) -> dict[str, Any]:
