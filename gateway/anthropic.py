@@ -23,7 +23,7 @@ import hashlib
 import hmac
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -309,7 +309,7 @@ def _function(t: AnthropicTool, param: str) -> dict[str, Any]:
     return {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
 
 
-def chat_tools(tools: list[AnthropicTool] | None, changes: list[ToolChange] = ()) -> list[dict[str, Any]] | None:  # type: ignore[assignment]
+def chat_tools(tools: list[AnthropicTool] | None, changes: Sequence[ToolChange] = ()) -> list[dict[str, Any]] | None:
     """The tools the model is shown: those of `tools` without `defer_loading`, then each system message's
     tool_addition (a declared tool by name, or a definition) and tool_removal in order. A chat template renders
     the tools once, ahead of the conversation, so a change applies to the whole prompt of the turn that carries
@@ -389,10 +389,11 @@ class ContextEdits:
     """An edit removed something the model would have seen: the turn starts a new chain."""
 
 
-def _edit_value(edit: dict[str, Any], name: str, kinds: tuple[str, ...], default: Any, param: str) -> tuple[str, int] | Any:
-    v = edit.get(name, default)
-    if v is None or v is default:
-        return v
+def _edit_value(edit: dict[str, Any], name: str, kinds: tuple[str, ...], default: Any, param: str) -> Any:
+    """An edit's `keep` / `trigger` / `clear_at_least` as (type, value); absent or null: `default`."""
+    v = edit.get(name)
+    if v is None:
+        return default
     if v == "all" and "all" in kinds:
         return ("all", 0)
     if isinstance(v, dict) and v.get("type") in kinds:

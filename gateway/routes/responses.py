@@ -117,7 +117,7 @@ async def _responses(request: Request, session_id: str | None) -> Response:
     turns: TurnService = request.app.state.turns
     req = TurnRequest(
         endpoint="responses", messages=input_messages(body), tools=tools,
-        asked=body.model_dump(exclude={"input", "tools", "instructions"}, exclude_none=True),
+        asked=body.model_dump(exclude={"input", "tools", "instructions"}, exclude_none=True, by_alias=True),
         max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, body_bytes=size,
         json_schema=text_json_schema(body), forced=forced,
     )

@@ -209,7 +209,8 @@ def test_responses_text_format_with_a_forced_function(gateway: LiveGateway, fake
     [call] = [o for o in r.output if o.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
     [turn] = gateway.session(cred["session_id"])["turns"]
-    assert turn["request"]["asked"]["text"]["format"]["name"] == "get_weather"  # recorded as sent
+    assert turn["request"]["asked"]["text"]["format"] == {"type": "json_schema", "name": "get_weather", "strict": True,
+                                                        "schema": params}  # recorded as sent
     # the same on chat completions, with response_format
     fake.script([ids_of(tokenizer, CALL)])
     c = oa.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER], tool_choice="required",
