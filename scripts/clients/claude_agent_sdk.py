@@ -2,6 +2,9 @@
 
     run(base_url, api_key, workdir) -> {"ok", "calls", "chains", "detail", "version"}
 
+`calls` are the distinct messages the SDK received; `chains` is 0 (a session key cannot list its session's
+turns without the session id: the client matrix reads them from the gateway).
+
 `base_url` is the session's OpenAI base (`.../v1`; the Anthropic base is that without `/v1`, or
 $ROLLWAY_ANTHROPIC_BASE_URL), `api_key` its key. The SDK's `query()` runs one tool task: the `calculate`
 tool (an in-process MCP server of the SDK), no built-in tools, a short system prompt (Claude Code's own is

@@ -46,6 +46,8 @@ def _check_stored(stack: Stack, session_id: str, since: int, calls: int) -> dict
     for turn in record["turns"]:
         assert turn["request"]["asked"]["max_tokens"] == 128000  # Claude Code's own, cut to the context
         assert turn["request"]["asked"]["context_management"]["edits"][0]["type"] == "clear_thinking_20251015"
+        roles = [m["role"] for m in turn["request"]["messages"]]
+        assert roles[:3] == ["system", "user", "system"], roles  # Claude Code's environment entry, in place
     return record
 
 

@@ -2,7 +2,7 @@
 fake SGLang: `POST /v1/messages?beta=true` with a system entry inside `messages`, `context_management` edits,
 `thinking.display` modes the gateway has no special meaning for, deferred tools and mid-conversation tool
 changes, and a `max_tokens` far over a small model's context. The request bodies are Claude Code 2.1.332's as
-captured (docs/conformance-anthropic.md "Claude Code"), cut to what each test needs."""
+captured (docs/conformance-anthropic.md "Claude Code and the Claude Agent SDK"), cut to what each test needs."""
 
 from __future__ import annotations
 
