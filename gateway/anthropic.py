@@ -12,6 +12,12 @@ and the thinking text. A thinking block whose text was changed, or that another 
 Continuity ignores reasoning (the parent's own ids hold it), so the next turn extends the same chain whether
 the client sends the block back or drops it.
 
+The beta API's additions that Claude Code sends: a `{"role": "system"}` entry inside `messages` is a system
+chat message where it stands (`clear_at` may hide it; its tool_addition / tool_removal blocks change the tools,
+as `defer_loading` keeps a tool out until added); `context_management` edits are applied to the translated
+messages (`context_edits`), and one that clears something makes the turn a new chain
+(`TurnRequest.new_chain_reason`), since the model no longer sees what its parent's ids hold.
+
 Every field, block and header and what becomes of it: docs/conformance-anthropic.md.
 """
 

@@ -172,6 +172,14 @@ def test_context_edits_clear_tool_uses(gateway: Any, fake: Any, tokenizer: Any) 
     ({"context_management": {"edits": [{"type": "clear_everything"}]}}, "context_management.edits.0.type"),
     ({"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": 3}]}},
      "context_management.edits.0.keep"),
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919", "exclude_tools": "x"}]}},
+     "context_management.edits.0.exclude_tools"),
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919", "clear_tool_inputs": 3}]}},
+     "context_management.edits.0.clear_tool_inputs"),
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses",
+                                                                                        "value": -1}}]}},
+     "context_management.edits.0.trigger"),
+    ({"context_management": {"edits": ["clear"]}}, "context_management.edits.0"),
     ({"messages": [{"role": "user", "content": "q", "clear_at": "never"}]}, "messages.0.clear_at"),
     ({"messages": [{"role": "user", "content": "q", "output_config": {"effort": "low"}}]}, "messages.0.output_config"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": [{"type": "image"}]}]},
@@ -192,6 +200,17 @@ def test_what_cannot_be_done_is_a_400_naming_the_field(gateway: Any, fake: Any, 
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["message"].startswith(param)
     assert len(fake.requests) == n
+
+
+def test_null_edit_fields_take_the_defaults(gateway: Any, fake: Any, tokenizer: Any) -> None:
+    cred = gateway.group(2)["sessions"][0]
+    fake.script([ids_of(tokenizer, "ok")])
+    r = post(cred, claude_code_body([{"role": "user", "content": "q"}], context_management={"edits": [
+        {"type": "clear_thinking_20251015", "keep": None},
+        {"type": "clear_tool_uses_20250919", "trigger": None, "keep": None, "clear_at_least": None}]}))
+    assert r.status_code == 200, r.text
+    assert [e["type"] for e in r.json()["context_management"]["applied_edits"]] == [
+        "clear_thinking_20251015", "clear_tool_uses_20250919"]
 
 
 def test_system_messages_clear_at_and_tool_changes(gateway: Any, fake: Any, tokenizer: Any) -> None:
