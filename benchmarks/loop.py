@@ -90,6 +90,9 @@ DEFAULT_BUDGET_S = 400.0  # the demo's RL phase: 570 s in all, less SFT (~1.5-2 
 
 
 def main() -> int:
+    # The demo's environment (rollway/demo.py): idle OpenMP threads sleep rather than spin, so a busy machine does
+    # not slow every torch step of the warm-up, the engine and both sides' trainers ~10x. Both sides inherit it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
