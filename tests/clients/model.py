@@ -11,8 +11,13 @@ The random tiny model never calls a tool or thinks, so the client tests fine-tun
 
 The tool schema is drawn from the shapes the three SDKs send (OpenAI's function tool as written, the
 OpenAI Agents SDK's `@function_tool` schema with titles and `additionalProperties`), so the model calls the
-tool whichever client rendered it. The result is cached by a hash of the data, the SFT options and the tiny
-model's source (not the trainer's code: delete the cache folder after changing it), so a rerun reuses it.
+tool whichever client rendered it.
+
+The built weights are committed (COMMITTED, with BUILD_INFO: the recipe and what it was built on), so that the
+tests do not depend on the CPU that would train them. `python -m tests.clients.model` rebuilds them (deterministic
+on one machine; minutes) and `behaviour_problems` is the check they must pass (tests/clients/test_tuned_model.py:
+a rebuild is due when the recipe changes, and the check fails the suite, naming each prompt, when the weights lack
+a trained form). The scripts' client matrix (scripts/client_matrix.py) serves the same weights.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ AGENTS_TOOL_SCHEMA: dict[str, Any] = {
 # on an AVX-512 machine, `</think>` inside `<tool_call>` on an AMD EPYC (and 480 steps at that lr were worse there).
 # So the recipe anneals: PHASES is (steps, lr, seed) per `rollway train` run, each starting from the last one's
 # export with a fresh optimizer; the low-lr phase settles the weights instead of leaving them mid-jump.
-PHASES: tuple[tuple[int, float, int], ...] = ((120, 3e-3, 0), (120, 3e-4, 1))
+PHASES: tuple[tuple[int, float, int], ...] = ((120, 3e-3, 0), (120, 3e-4, 1), (120, 3e-4, 2))
 SFT_BATCH = 4
 SFT_SEED = 0
 """The data's seed."""
@@ -81,9 +86,15 @@ def calculate(expression: str) -> str:
     return "error: unsupported expression"
 
 
+def _operand(rng: random.Random) -> int:
+    """One digit a third of the time: with 0-99 uniform, two one-digit operands ("3*4", a test's question) came up
+    in 1% of the chats, and the model built on an AMD EPYC misformed the call for exactly that question."""
+    return rng.randint(0, 9) if rng.random() < 1 / 3 else rng.randint(10, 99)
+
+
 def question(rng: random.Random) -> tuple[str, str]:
     """('What is 12+7?', '12+7')."""
-    expression = f"{rng.randint(0, 99)}{rng.choice('+-*')}{rng.randint(0, 99)}"
+    expression = f"{_operand(rng)}{rng.choice('+-*')}{_operand(rng)}"
     return f"What is {expression}?", expression
 
 
@@ -220,9 +231,11 @@ def build(out: Path, log: Any = None) -> list[str]:
                 raise RuntimeError(f"SFT phase {i + 1} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
             source = run / "weights" / "sft-final"
             if log is not None:
-                print(f"phase {i + 1}: {steps} steps at lr {lr} done at {time.monotonic() - t0:.0f}s; "
-                      f"{len(behaviour_problems(source))} problem(s)", file=log, flush=True)
+                print(f"phase {i + 1}: {steps} steps at lr {lr} done at {time.monotonic() - t0:.0f}s", file=log,
+                      flush=True)
         problems = behaviour_problems(source)
+        if log is not None:
+            print(f"checked at {time.monotonic() - t0:.0f}s: {len(problems)} problem(s)", file=log, flush=True)
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         for f in sorted(source.iterdir()):
