@@ -58,8 +58,6 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     "llamaindex": ("LlamaIndex (ReAct agent)", "python"),
     "autogen": ("AutoGen (AgentChat)", "python"),
     "mini_swe_agent": ("mini-swe-agent", "python"),
-    "anthropic_js": ("`@anthropic-ai/sdk` (npm)", "node"),
-    "vercel_ai": ("Vercel AI SDK (`ai`, npm)", "node"),
     "claude_agent_sdk": ("Claude Agent SDK", "python"),
 }
 """Frameworks of the matrix that have no driver yet: a row saying so (a driver of the same name replaces it)."""

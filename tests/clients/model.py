@@ -54,7 +54,9 @@ AGENTS_TOOL_SCHEMA: dict[str, Any] = {
 # lr 3e-3 stops wherever Adam's last large steps left it, and that differs by CPU: 120 steps gave every trained form
 # on an AVX-512 machine, `</think>` inside `<tool_call>` on an AMD EPYC (and 480 steps at that lr were worse there).
 # So the recipe anneals: PHASES is (steps, lr, seed) per `rollway train` run, each starting from the last one's
-# export with a fresh optimizer; the low-lr phase settles the weights instead of leaving them mid-jump.
+# export with a fresh optimizer; the low-lr phases settle the weights instead of leaving them mid-jump. Measured on
+# the AMD EPYC (2 shared cores, load ~18): after phase 1, 8 of the check's 18 prompts misformed; after phase 2, 2
+# (both "What is 3*4?"); after phase 3, none of the check's prompts (1108 s in all, checks included).
 PHASES: tuple[tuple[int, float, int], ...] = ((120, 3e-3, 0), (120, 3e-4, 1), (120, 3e-4, 2))
 SFT_BATCH = 4
 SFT_SEED = 0
@@ -133,8 +135,11 @@ def _sft_args(model: Path, out: Path, data: Path, steps: int, lr: float, seed: i
             "--sft-batch-sequences", str(SFT_BATCH), "--checkpoint-every", "1000"]
 
 
-CHECK_QUESTIONS = ("What is 12+7?", "What is 3*4?", "What is 45-9?", "What is 8*23?")
-"""The tests' questions (12+7, and 3*4 in the Agents SDK's second run) and two more."""
+CHECK_QUESTIONS = ("What is 12+7?", "What is 45-9?", "What is 8*23?", "What is 60+31?")
+"""The question every tool test starts with (12+7) and three more. Not "What is 3*4?": the one test that sends it
+(the Agents SDK's second run) sends it after a whole first run and accepts whatever the model does with it; asked
+alone, it was the one prompt that three builds on an AMD EPYC misformed (`<think>` twice), with uniform operands and
+with one-digit ones a third of the time."""
 CHECK_GREETINGS = ("Hello there.", "What can you do?")
 
 
@@ -241,8 +246,11 @@ def build(out: Path, log: Any = None) -> list[str]:
         for f in sorted(source.iterdir()):
             if f.is_file():
                 shutil.copy2(f, out / f.name)
+        cpuinfo = Path("/proc/cpuinfo")
+        names = [ln.split(":", 1)[1].strip() for ln in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+                 if ln.startswith("model name")]
         info = {"key": cache_key(), "recipe": recipe(), "torch": torch.__version__,
-                "cpu": platform.processor() or platform.machine(), "seconds": round(time.monotonic() - t0),
+                "cpu": names[0] if names else platform.processor() or platform.machine(), "seconds": round(time.monotonic() - t0),
                 "problems": problems}
         (out / BUILD_INFO).write_text(json.dumps(info, indent=1) + "\n")
     finally:
