@@ -55,8 +55,9 @@ AGENTS_TOOL_SCHEMA: dict[str, Any] = {
 # on an AVX-512 machine, `</think>` inside `<tool_call>` on an AMD EPYC (and 480 steps at that lr were worse there).
 # So the recipe anneals: PHASES is (steps, lr, seed) per `rollway train` run, each starting from the last one's
 # export with a fresh optimizer; the low-lr phases settle the weights instead of leaving them mid-jump. Measured on
-# the AMD EPYC (2 shared cores, load ~18): after phase 1, 8 of the check's 18 prompts misformed; after phase 2, 2
-# (both "What is 3*4?"); after phase 3, none of the check's prompts (1108 s in all, checks included).
+# the AMD EPYC (2 shared cores, load ~18), with uniform operands: 8 of 18 prompts misformed after phase 1, 2 after
+# phase 2 and after phase 3 (both "What is 3*4?" asked alone, which the check no longer asks: CHECK_QUESTIONS); with
+# one-digit operands a third of the time (the committed build, 1108 s), none of the check's prompts.
 PHASES: tuple[tuple[int, float, int], ...] = ((120, 3e-3, 0), (120, 3e-4, 1), (120, 3e-4, 2))
 SFT_BATCH = 4
 SFT_SEED = 0
