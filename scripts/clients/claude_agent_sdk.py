@@ -13,7 +13,7 @@ talks to nothing but the gateway: ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY point
 non-essential traffic are off, and HOME is a folder of `workdir` (no user settings are read).
 
 Run where `claude_agent_sdk` imports (the client matrix's venv); elsewhere `run` makes the pinned venv
-(VENV, from PyPI, once) and runs itself there in a subprocess. `python scripts/clients/claude_agent_sdk.py
+(PINNED_VENV, from PyPI, once) and runs itself there in a subprocess. `python scripts/clients/claude_agent_sdk.py
 BASE_URL API_KEY WORKDIR` prints the result as JSON.
 """
 
@@ -31,8 +31,8 @@ LABEL = "Claude Agent SDK (bundled Claude Code CLI)"
 LANGUAGE = "python"
 MODES = "query() with an SDK MCP tool, streamed Messages (/v1/messages?beta=true), headless CLI"
 VERSION = "0.2.189"
-REQUIREMENTS = [f"claude-agent-sdk=={VERSION}"]
-VENV = pathlib.Path(os.environ.get("ROLLWAY_CLAUDE_SDK_VENV", f"~/.cache/rollway/venvs/claude-agent-sdk-{VERSION}")).expanduser()
+REQUIREMENTS = ["claude-agent-sdk==0.2.189"]  # VERSION
+PINNED_VENV = pathlib.Path(os.environ.get("ROLLWAY_CLAUDE_SDK_VENV", f"~/.cache/rollway/venvs/claude-agent-sdk-{VERSION}")).expanduser()
 """The pinned venv `run` makes when `claude_agent_sdk` is not importable here."""
 SYSTEM = "Use the calculate tool, then answer with the number only."
 PROMPT = "What is 12+7?"
@@ -129,9 +129,9 @@ def _in_venv(base_url: str, api_key: str, workdir: pathlib.Path) -> dict[str, An
 
 def ensure_venv() -> pathlib.Path:
     """The pinned venv's python (made on first use, from PyPI)."""
-    python = VENV / "bin" / "python"
+    python = PINNED_VENV / "bin" / "python"
     if not python.is_file():
-        venv.create(VENV, with_pip=True)
+        venv.create(PINNED_VENV, with_pip=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", *REQUIREMENTS], check=True)
     return python
 
