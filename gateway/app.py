@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.anthropic_errors import anthropic_errors, anthropic_path
+from gateway.anthropic.errors import anthropic_errors, anthropic_path
 from gateway.changes import Changes
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics, RequestMetrics
@@ -103,7 +103,7 @@ class GatewayApp(FastAPI):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         scope["app"] = self
         if scope["type"] == "http" and anthropic_path(scope):
-            send = anthropic_errors(send)  # Anthropic's error shape on the Messages routes (gateway.anthropic_errors)
+            send = anthropic_errors(send)  # Anthropic's error shape on the Messages routes (gateway.anthropic.errors)
         if scope["type"] == "http" and nul_in_url(scope):
             await refuse_nul(scope, receive, send)
             return
@@ -175,8 +175,8 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
             await store.close()
 
     from gateway import openapi, viewer_auth
+    from gateway.anthropic import api as anthropic_api
     from gateway.routes import (
-        anthropic_api,
         backends,
         groups,
         openai_api,

@@ -147,7 +147,7 @@ def _operations() -> dict[tuple[str, str], Operation]:
             op.summary + "; the session by the id in the path (no key)", "session_path", op.ok,
             (404, *op.errors), op.body)
     # Anthropic's Messages API (errors in Anthropic's shape: a 503 is its 529 overloaded_error).
-    from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
+    from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 
     anthropic = {
         ("POST", "/v1/messages"): Operation("Anthropic Messages API (recorded)", "session", 200,

@@ -2,8 +2,8 @@
 shape the Anthropic SDK expects; each also under /sessions/{session_id}/v1/...
 
 Served by `routes.dispatch` like the OpenAI routes, on the same turn service: a Messages call is prepared,
-generated, recorded and chained as a chat completion is (`gateway.anthropic` translates both ways), and its
-turn id is the message id (`msg_…`). Errors leave in Anthropic's shape (`gateway.anthropic_errors`).
+generated, recorded and chained as a chat completion is (`gateway.anthropic.translate` translates both ways), and its
+turn id is the message id (`msg_…`). Errors leave in Anthropic's shape (`gateway.anthropic.errors`).
 `/v1/models` is served here for both SDKs: with an `anthropic-version` header in Anthropic's shape, without
 one by the OpenAI route's handler, unchanged.
 """
@@ -16,7 +16,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway.anthropic import (
+from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
+from gateway.anthropic.stream import MessageEvents
+from gateway.anthropic.translate import (
     check_blocks,
     content_blocks,
     session_signing_key,
@@ -26,11 +28,9 @@ from gateway.anthropic import (
     turn_request,
     usage,
 )
-from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
 from gateway.auth import chat_session, model_reader
 from gateway.errors import NotFound
 from gateway.protocol import note_unknown_fields
-from gateway.routes.anthropic_stream import MessageEvents
 from gateway.routes.common import M, json_response, parse_body, read_raw_body
 from gateway.routes.openai_api import ROUTES as OPENAI_ROUTES
 from gateway.routes.replies import check_counts, run_to_end

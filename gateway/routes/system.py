@@ -8,7 +8,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway.routes.anthropic_api import retrieve_model
+from gateway.anthropic.api import retrieve_model
 from gateway.routes.common import json_response
 
 router = APIRouter()

@@ -262,7 +262,7 @@ def test_stop_sequence_and_output_format(gateway: Any, fake: Any) -> None:
 
 
 def test_stop_reason_of_a_matched_stop_sequence() -> None:
-    from gateway.anthropic import stop_reason
+    from gateway.anthropic.translate import stop_reason
     from gateway.generation import Generation
 
     assert stop_reason("stop", Generation(finish={"type": "stop", "matched": "END"}), ["END"]) == ("stop_sequence", "END")
