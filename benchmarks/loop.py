@@ -102,8 +102,8 @@ from rollway.demo import (  # noqa: E402
     _sft,
 )
 from rollway.embedded import die_with_parent, engine_process, free_port, stop, wait_healthy  # noqa: E402
-from rollway.paths import agent_file  # noqa: E402
 from rollway.rollout import Runner, load_agent, load_tasks, run_async, run_eval  # noqa: E402
+from rollway_common.paths import agent_file  # noqa: E402
 
 THRESHOLDS = (0.3, 0.5)
 WINDOW_S = 30.0

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.store.store import TurnRow
-from gateway.wire import encode_array, unpack
+from rollway_common.wire import encode_array, unpack
 
 
 @dataclass(slots=True)

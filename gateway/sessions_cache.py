@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from gateway.continuity import Candidate
 from gateway.store.store import Store, TurnRow
-from gateway.wire import unpack
+from rollway_common.wire import unpack
 
 
 @dataclass(slots=True)

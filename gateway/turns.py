@@ -36,8 +36,8 @@ from gateway.store.store import SessionAuth, Store, unique_id
 from gateway.templating import ChatTemplate
 from gateway.tool_grammar import ForcedTools, resolve_tool_choice, structural_tag
 from gateway.tool_parsers import ParsedReply, ReplyParser
-from gateway.wire import pack
-from rollway.json_schema_check import unsupported_reason
+from rollway_common.json_schema_check import unsupported_reason
+from rollway_common.wire import pack
 
 T = TypeVar("T")
 
@@ -524,7 +524,7 @@ SCHEMA_PARAM = {"responses": "text.format", "messages": "output_config.format"}
 
 
 def _check_json_schema(req: TurnRequest) -> None:
-    """Refuse up front what SGLang 0.5.23 refuses in a `json_schema` grammar (rollway/json_schema_check.py), so
+    """Refuse up front what SGLang 0.5.23 refuses in a `json_schema` grammar (rollway_common/json_schema_check.py), so
     the answer does not depend on the backend; forced tool calls' schemas (in a structural_tag) are not checked,
     as SGLang does not check them."""
     try:

@@ -1,7 +1,7 @@
 """The store's tables (SQLAlchemy 2.0 typed ORM). Schema changes only through Alembic revisions.
 
 groups -> sessions -> turns, plus leases (batches), the weight-version state and the backend registry.
-Token arrays are little-endian binary (`gateway.wire.pack`), never JSON lists. Times are epoch seconds.
+Token arrays are little-endian binary (`rollway_common.wire.pack`), never JSON lists. Times are epoch seconds.
 """
 
 from __future__ import annotations

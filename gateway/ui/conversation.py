@@ -19,7 +19,7 @@ from gateway.records import _looks_failed
 from gateway.store.db import DbEngine
 from gateway.store.models import Turn
 from gateway.store.store import TurnRow
-from gateway.wire import unpack
+from rollway_common.wire import unpack
 
 T = cast(Table, Turn.__table__)
 SHOWN_CHARS = 2000

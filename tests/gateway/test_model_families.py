@@ -25,7 +25,7 @@ from gateway.samples import Sequence, session_sequences
 from gateway.store.db import upgrade
 from gateway.store.store import TurnRow
 from gateway.templating import ChatTemplate
-from gateway.wire import pack
+from rollway_common.wire import pack
 from tests.fakes.sglang import FakeSGLang
 from tests.harness import LiveGateway
 from tests.model_checks import (

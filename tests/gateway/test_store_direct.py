@@ -11,7 +11,7 @@ import pytest
 from gateway.errors import NotFound
 from gateway.store.db import create_engine
 from gateway.store.store import Store
-from gateway.wire import pack
+from rollway_common.wire import pack
 
 
 def turn_values(turn_id: str) -> dict[str, Any]:
