@@ -32,6 +32,7 @@ from gateway.errors import BadRequest, Conflict, ContextLengthExceeded
 from gateway.generation import Generation
 from gateway.metrics import Metrics
 from gateway.sessions_cache import SessionCache, SessionView
+from gateway.store.models import TurnRecord
 from gateway.store.store import SessionAuth, Store, unique_id
 from gateway.templating import ChatTemplate
 from gateway.tool_grammar import ForcedTools, resolve_tool_choice, structural_tag
@@ -452,7 +453,7 @@ class TurnService:
         reply = {} if raw_only or (client_disconnected and not gen.ids) else self.template.assistant_message(parsed)
         if raw_only:
             reply = {"role": "assistant", "content": text}
-        values = dict(
+        record = TurnRecord(
             id=p.turn_id,
             parent_id=p.parent_id,
             endpoint=p.req.endpoint,
@@ -479,7 +480,7 @@ class TurnService:
             },
         )
         # Shielded: a client that goes away while we commit must not cancel the commit.
-        seq = await asyncio.shield(self.store.insert_turn(p.auth.id, values))
+        seq = await asyncio.shield(self.store.insert_turn(p.auth.id, record))
         if raw_only and p.view is not None and p.view.turn_count == seq - 1:
             # A raw completion is no parent (no messages), but its ids count toward the session's tokens.
             # The view stays current, as a reload from the store would build it; handing the cache a turn

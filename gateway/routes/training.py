@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from gateway.auth import admin
 from gateway.protocol import INT32_MAX, Strict
 from gateway.routes.common import json_response, read_body
-from gateway.store.leases import LeaseRequest
+from gateway.store.leases import LeaseRequest, LeaseResult
 from gateway.weight_sync import router as sync_router
 
 router = APIRouter()
@@ -87,20 +87,21 @@ async def lease(request: Request) -> Response:
             ready = queued >= body.min_groups
             mark, missing = completions.count, body.min_groups - queued
         if ready:
-            batch_id, expires, groups, stale = await leases.lease(req)
-            stale_total += stale
-            if stale:
-                request.app.state.metrics.stale_dropped.inc(stale)
-            if groups or waited_out:
+            got = await leases.lease(req)
+            stale_total += got.dropped_stale
+            if got.dropped_stale:
+                request.app.state.metrics.stale_dropped.inc(got.dropped_stale)
+            if got.groups or waited_out:
                 break
         if await request.is_disconnected():
-            batch_id, expires, groups = None, 0.0, []
+            got = LeaseResult(None, 0.0, [], 0)
             break
         woken = await completions.wait(deadline - time.monotonic())
         # Count again after a poll interval (changes through another gateway, lapsed leases) or once this gateway
         # saw as many completions as were missing: a count per completed group was ~5% of the gateway's CPU.
         count = not woken or completions.count - mark >= missing
-    return json_response({"batch_id": batch_id, "expires_at": expires, "groups": groups, "dropped_stale": stale_total})
+    return json_response({"batch_id": got.batch_id, "expires_at": got.expires_at, "groups": got.groups,
+                          "dropped_stale": stale_total})
 
 
 @router.post("/v1/batches/{batch_id}/renew")

@@ -30,7 +30,7 @@ from sqlalchemy import JSON, Column, Table
 from sqlalchemy.dialects import postgresql
 
 from gateway.errors import Conflict, NotFound
-from gateway.store.models import Group, Session, Turn
+from gateway.store.models import TURN_RECORD_FIELDS, Group, Session, Turn, TurnRecord
 
 G = cast(Table, Group.__table__)
 S = cast(Table, Session.__table__)
@@ -40,6 +40,7 @@ _SET_BY_STORE = ("session_id", "seq", "created_at")
 INSERTED_COLUMNS = tuple(c for c in TURN_COLUMNS if c.name not in _SET_BY_STORE)
 """The columns a turn's values give (`Store.insert_turn`); the store sets the others."""
 _JSON_COLUMNS = frozenset(c.name for c in TURN_COLUMNS if isinstance(c.type, JSON))
+_RECORD_FIELDS = frozenset(TURN_RECORD_FIELDS)
 AuthRow = tuple[str, str, str, int, Any]
 """session id, group id, state, turn count, the group's sampling policy (parsed JSON)."""
 
@@ -51,32 +52,26 @@ def json_text(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
-def turn_params(values: dict[str, Any], columns: Sequence[Column[Any]] = INSERTED_COLUMNS) -> list[Any]:
-    """A turn's values in the order of `columns`, as SQLAlchemy would bind them: JSON as text, absent columns as
-    their scalar default (else NULL). Booleans stay bool (sqlite3 stores them as 0/1, as SQLAlchemy did).
-    A key that is none of `columns` raises, as SQLAlchemy's insert does: a misspelt field must not vanish (and
-    one the store sets, such as `seq`, must not override it). Counted, not looked up: no cost per call."""
+def turn_params(turn: TurnRecord, columns: Sequence[Column[Any]] = INSERTED_COLUMNS) -> list[Any]:
+    """A turn's values in the order of `columns`, as SQLAlchemy would bind them: JSON as text, a column the record
+    lacks (`reward`) as its scalar default (else NULL). Booleans stay bool (sqlite3 stores them as 0/1, as
+    SQLAlchemy did). The record's fields are checked against the table once, at import (models.py)."""
     out: list[Any] = []
-    used = 0
     for col in columns:
-        if col.name in values:
-            used += 1
-            v = values[col.name]
-            if col.name in _JSON_COLUMNS:
+        name = col.name
+        if name in _RECORD_FIELDS:
+            v = getattr(turn, name)
+            if name in _JSON_COLUMNS:
                 v = json_text(v)
         else:
             default = col.default
             v = default.arg if default is not None and default.is_scalar else None  # type: ignore[attr-defined]
         out.append(v)
-    if used != len(values):
-        unknown = sorted(set(values) - {c.name for c in columns})
-        raise UnknownColumns(f"turn values for no column of the turns table, or one the store sets: "
-                             f"{', '.join(unknown)}")
     return out
 
 
 class UnknownColumns(sqlalchemy.exc.CompileError):
-    """A turn's values name a column the table does not have: the direct path's form of the error SQLAlchemy's
+    """Values name a column the table does not have: the direct path's form of the error SQLAlchemy's
     insert raises on the Core path ("Unconsumed column names"), so one `except` catches both."""
 
 
@@ -262,8 +257,8 @@ class SqliteStatements:
     async def session_auth(self, column: str, value: str) -> AuthRow | None:
         return _auth_row(self.db.execute(f"{_AUTH}{column} = ?", (value,)).fetchone())
 
-    async def insert_turn(self, session_id: str, now: float, values: dict[str, Any]) -> int:
-        params = [session_id, 0, now, *turn_params(values)]
+    async def insert_turn(self, session_id: str, now: float, turn: TurnRecord) -> int:
+        params = [session_id, 0, now, *turn_params(turn)]
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._queue.append((session_id, now, params, done))
         if self._writer is None:  # it starts after this turn of the loop: what else is stored in it joins
@@ -408,8 +403,8 @@ class PgStatements:
     async def session_auth(self, column: str, value: str) -> AuthRow | None:
         return _auth_row(await self.pool.fetchrow(f"{_AUTH}{column} = $1", value))
 
-    async def insert_turn(self, session_id: str, now: float, values: dict[str, Any]) -> int:
-        params = turn_params(values)
+    async def insert_turn(self, session_id: str, now: float, turn: TurnRecord) -> int:
+        params = turn_params(turn)
         seq = await self.pool.fetchval(self._INSERT, now, session_id, *params)
         if seq is None:
             raise NotFound(f"no session {session_id}")
