@@ -68,7 +68,7 @@ def _operations() -> dict[tuple[str, str], Operation]:
     from gateway.routes.training import AckBody, LeaseBody, PublishBody, RenewBody
     from gateway.routes.training_reports import TrainingStepBody
     from gateway.routes.viewer_keys import CreateViewerKey
-    from gateway.weight_sync import SyncBody, SyncInitBody
+    from gateway.routes.weight_sync import SyncBody, SyncInitBody
 
     sessions_query = (
         Query("state", {"type": "string", "enum": ["active", "finished", "abandoned"]}, "only sessions in this state"),

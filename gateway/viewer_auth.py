@@ -20,11 +20,9 @@ to /ui/login?next=<the page> instead (the handler `install` adds).
 
 from __future__ import annotations
 
-import collections
 import hmac
 import html
 import logging
-import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Literal
@@ -36,18 +34,13 @@ from gateway.auth import bearer, is_admin_key
 from gateway.errors import Forbidden, TooManyRequests, Unauthorized
 from gateway.proxies import forwarded_host
 from gateway.routes.common import error_response, json_response, read_raw_body
+from gateway.services import services
+from gateway.sign_in import SignInLimiter
 from gateway.store.store import hash_key
 
 log = logging.getLogger("rollway.gateway")
 
 COOKIE = "rollway_ui"
-SESSION_TTL_S = 12 * 3600.0
-"""How long a sign-in lasts (override per app: `app.state.ui_session_ttl_s`)."""
-MAX_FAILURES, FAILURE_WINDOW_S = 10, 60.0
-"""Failed sign-ins one client address may make in the window before its wrong keys get 429s until the window
-passes. A right key still signs in: on a shared machine every local user is 127.0.0.1, and ten wrong keys must
-not lock the admin out. (Guessing is not what this stops: keys are 256-bit random, and the API checks bearer
-keys unthrottled anyway; it keeps a flood of failures out of the log and shows a client it is failing.)"""
 LOGIN = "/ui/login"
 
 Role = Literal["admin", "viewer", "session"]
@@ -78,7 +71,7 @@ async def identify(request: Request, key: str) -> tuple[Role, str | None, str | 
     """(role, viewer key id, session id) of a key, or None for a key nobody issued."""
     if is_admin_key(request, key):
         return "admin", None, None
-    store = request.app.state.store
+    store = services(request).store
     viewer = await store.viewer_key_id(key)
     if viewer is not None:
         return "viewer", viewer, None
@@ -99,10 +92,10 @@ async def ui_caller(request: Request) -> UiCaller:
     token = request.cookies.get(COOKIE)
     if not token:
         raise UiSignInRequired("sign in at /ui/login (or send 'Authorization: Bearer <key>')")
-    row = await request.app.state.store.ui_session(token)
+    row = await services(request).store.ui_session(token)
     if row is None:
         raise UiSignInRequired("signed out: the sign-in expired or its key was revoked; sign in again at /ui/login")
-    if row["role"] == "admin" and not hmac.compare_digest(row["credential_hash"], hash_key(request.app.state.admin_key)):
+    if row["role"] == "admin" and not hmac.compare_digest(row["credential_hash"], hash_key(services(request).admin_key)):
         raise UiSignInRequired("signed out: the admin key changed; sign in again at /ui/login")
     return UiCaller(row["role"], row["session_id"])
 
@@ -118,35 +111,6 @@ def safe_next(target: str | None) -> str:
     if any(seg in (".", "..") for seg in urllib.parse.unquote(parts.path).split("/")):
         return "/ui"  # /ui/../v1 would leave /ui
     return target
-
-
-class SignInLimiter:
-    """Failed sign-ins per client address in a sliding window (in memory, per process)."""
-
-    def __init__(self, max_failures: int = MAX_FAILURES, window_s: float = FAILURE_WINDOW_S) -> None:
-        self.max_failures = max_failures
-        self.window_s = window_s
-        self._failures: dict[str, collections.deque[float]] = {}
-
-    def _recent(self, client: str) -> collections.deque[float]:
-        q = self._failures.setdefault(client, collections.deque())
-        cutoff = time.monotonic() - self.window_s
-        while q and q[0] < cutoff:
-            q.popleft()
-        return q
-
-    def check(self, client: str) -> None:
-        q = self._recent(client)
-        if len(q) >= self.max_failures:
-            raise TooManyRequests(f"too many failed sign-ins from {client}; wait and retry",
-                                  code="sign_in_rate_limited", retry_after=q[0] + self.window_s - time.monotonic())
-
-    def failed(self, client: str) -> int:
-        if len(self._failures) > 10_000:  # a flood of addresses: forget the old ones rather than grow
-            self._failures.clear()
-        q = self._recent(client)
-        q.append(time.monotonic())
-        return len(q)
 
 
 router = APIRouter()
@@ -184,10 +148,7 @@ only). The key is not stored in the browser: a sign-in cookie is.</p></main></bo
 
 
 def _limiter(request: Request) -> SignInLimiter:
-    limiter: SignInLimiter | None = getattr(request.app.state, "ui_sign_in_limiter", None)
-    if limiter is None:
-        limiter = request.app.state.ui_sign_in_limiter = SignInLimiter()
-    return limiter
+    return services(request).ui_sign_in_limiter
 
 
 def _client(request: Request) -> str:
@@ -234,8 +195,8 @@ async def login(request: Request) -> Response:
         log.warning("failed /ui sign-in from %s (%d in the last %.0f s)", client, n, limiter.window_s)
         return login_page(next_path, "That key is not valid.", 401)
     role, viewer_key_id, session_id = found
-    ttl = float(getattr(request.app.state, "ui_session_ttl_s", SESSION_TTL_S))
-    token = await request.app.state.store.create_ui_session(
+    ttl = services(request).ui_session_ttl_s
+    token = await services(request).store.create_ui_session(
         role=role, credential=key, ttl_s=ttl, viewer_key_id=viewer_key_id, session_id=session_id)
     if role == "session" and next_path == "/ui":
         next_path = f"/ui/sessions/{session_id}"  # the one page a session key may open
@@ -252,7 +213,7 @@ async def logout(request: Request) -> Response:
         raise Forbidden("sign out from this site's own page")
     token = request.cookies.get(COOKIE)
     if token:
-        await request.app.state.store.delete_ui_session(token)
+        await services(request).store.delete_ui_session(token)
     response = RedirectResponse(LOGIN, 303, headers={"Cache-Control": "no-store"})
     response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict", secure=_https(request))
     return response

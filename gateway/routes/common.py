@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import asyncpg
 import jinja2
 import orjson
-import sqlalchemy.exc
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -21,12 +18,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_body
+from gateway.services import services
+from gateway.store.db import STORE_UNAVAILABLE
 
 M = TypeVar("M", bound=BaseModel)
-# The store could not be reached or locked: through SQLAlchemy, or from the direct statements' own drivers.
-STORE_UNAVAILABLE = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlite3.OperationalError,
-                      asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.TooManyConnectionsError,
-                      asyncpg.CannotConnectNowError)
 log = logging.getLogger("rollway.gateway")
 
 
@@ -34,7 +29,7 @@ async def read_raw_body(request: Request) -> bytes:
     """The request body, refused with 413 past `max_body_bytes` (by Content-Length before reading any of it).
 
     Reads the ASGI messages directly: Starlette's `Request.body()` stream machinery was ~0.15 ms a call."""
-    settings = request.app.state.settings
+    settings = services(request).settings
     limit: int = settings.max_body_bytes
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:

@@ -115,17 +115,10 @@ _REWARD_READ = (f"SELECT s.group_id, s.state, s.reward, g.state, g.n_samples FRO
                 f"JOIN {G.name} g ON g.id = s.group_id WHERE s.id = {{}}")
 
 
-async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
-    """`Store.set_reward` for a session reward (no per-turn rewards), with the same checks, errors and writes:
-    the reward, with `finish` the session's end, and the group's completion, in the caller's transaction.
-    Returns the session's state after the call, and the group's new state if it moved ("complete", "dropped").
-
-    The Core path ran 6-7 statements through SQLAlchemy for this, the gateway's most frequent write after the turn
-    itself (one per session): py-spy on the demo's loop (benchmarks/loop.py) put it at ~30% of the gateway's CPU."""
-    rows = await fetch(_REWARD_READ, session_id)
-    if not rows:
-        raise NotFound(f"no session {session_id}")
-    group_id, state, old_reward, group_state, n_samples = rows[0]
+async def _reward_one(fetch: Fetch, session_id: str, state: str, old_reward: float | None, reward: float,
+                      group_state: str, finish: bool, now: float) -> str:
+    """One session's reward, as read (its `state` and `old_reward`, its group's `group_state`): the checks and
+    the write that `reward_session` and `reward_group` share. Returns the session's state after it."""
     if state == "abandoned":  # nothing changes an abandoned session (docs/http-api.md, "Lifecycle")
         raise Conflict(f"session {session_id} is abandoned; it takes no reward")
     sets: dict[str, Any] = {}
@@ -137,10 +130,25 @@ async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: b
         if state != "active":
             raise Conflict(f"session {session_id} is already {state}")
         state = "finished"
-        sets.update(state=state, end_reason=None, ended_at=time.time())
+        sets.update(state=state, end_reason=None, ended_at=now)
     if sets:
         await fetch(f"UPDATE {S.name} SET {', '.join(f'{k} = {{}}' for k in sets)} WHERE id = {{}}",
                     *sets.values(), session_id)
+    return str(state)
+
+
+async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
+    """`Store.set_reward` for a session reward (no per-turn rewards), with the same checks, errors and writes:
+    the reward, with `finish` the session's end, and the group's completion, in the caller's transaction.
+    Returns the session's state after the call, and the group's new state if it moved ("complete", "dropped").
+
+    The Core path ran 6-7 statements through SQLAlchemy for this, the gateway's most frequent write after the turn
+    itself (one per session): py-spy on the demo's loop (benchmarks/loop.py) put it at ~30% of the gateway's CPU."""
+    rows = await fetch(_REWARD_READ, session_id)
+    if not rows:
+        raise NotFound(f"no session {session_id}")
+    group_id, state, old_reward, group_state, n_samples = rows[0]
+    state = await _reward_one(fetch, session_id, state, old_reward, reward, group_state, finish, time.time())
     group_end: str | None = None
     if group_state == "open":  # Store._refresh_group, statement for statement
         sessions = await fetch(f"SELECT state, reward FROM {S.name} WHERE group_id = {{}}", group_id)
@@ -188,22 +196,7 @@ async def reward_group(fetch: Fetch, group_id: str, rewards: Sequence[tuple[str,
         row = sessions.get(session_id)
         if row is None:
             raise NotFound(f"session {session_id} is not a session of group {group_id}", param="rewards")
-        state, old_reward = row
-        if state == "abandoned":
-            raise Conflict(f"session {session_id} is abandoned; it takes no reward")
-        sets: dict[str, Any] = {}
-        if old_reward != reward:
-            if group_state in ("leased", "trained"):
-                raise Conflict(f"group of session {session_id} was already {group_state}; reward is final")
-            sets["reward"] = reward
-        if finish and state != "finished":
-            if state != "active":
-                raise Conflict(f"session {session_id} is already {state}")
-            state = "finished"
-            sets.update(state=state, end_reason=None, ended_at=now)
-        if sets:
-            await fetch(f"UPDATE {S.name} SET {', '.join(f'{k} = {{}}' for k in sets)} WHERE id = {{}}",
-                        *sets.values(), session_id)
+        state = await _reward_one(fetch, session_id, row[0], row[1], reward, group_state, finish, now)
         row[0], row[1] = state, reward
         states.append(str(state))
     group_end = None
