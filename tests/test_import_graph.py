@@ -182,3 +182,17 @@ def test_the_rule_sees_a_back_up_import(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert imports_running_back_up() == ["trainer.launch -> rollway.embedded"]
     assert cycle(whole_graph()) == ["benchmarks.a", "benchmarks.b", "benchmarks.a"]
+
+
+def test_only_the_services_module_touches_app_state() -> None:
+    """The gateway's services are one typed object (gateway/services.py): every other module of the gateway and
+    the CLI reaches them through its accessors, never through `app.state` (or a scope's app's state)."""
+    found = []
+    for package in ("gateway", "rollway"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path == ROOT / "gateway" / "services.py":
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if "app.state" in line or '["app"].state' in line:
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert found == []
