@@ -65,7 +65,7 @@ def create_app(settings: Settings, *, admin_key: str, engine_supervisor: EngineS
             install(app, svc)
             yield
 
-    from gateway import openapi, viewer_auth
+    from gateway import openapi
     from gateway.anthropic import api as anthropic_api
     from gateway.routes import (
         backends,
@@ -75,6 +75,7 @@ def create_app(settings: Settings, *, admin_key: str, engine_supervisor: EngineS
         system,
         training,
         training_reports,
+        ui_sign_in,
         viewer_keys,
     )
 
@@ -88,7 +89,7 @@ def create_app(settings: Settings, *, admin_key: str, engine_supervisor: EngineS
     app.include_router(system.router)
     app.include_router(viewer_keys.router)
     app.include_router(training_reports.router)
-    viewer_auth.install(app)  # /ui/login, /ui/logout; a browser without a sign-in is sent there
+    ui_sign_in.install(app)  # /ui/login, /ui/logout; a browser without a sign-in is sent there
     from gateway.ui import install as install_viewer
     install_viewer(app)  # the viewer's pages, their JSON and static files (docs/viewer.md)
     openapi.install(app)

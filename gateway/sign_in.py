@@ -1,5 +1,5 @@
 """The viewer's sign-in limits: how long a sign-in lasts and how many failed ones a client address may make
-(`SignInLimiter`, one per process on `Services`). The routes that use them are gateway/viewer_auth.py."""
+(`SignInLimiter`, one per process on `Services`). The routes that use them are gateway/routes/ui_sign_in.py."""
 
 from __future__ import annotations
 

@@ -103,9 +103,8 @@ def create_view_app(url: str, admin_key: str, tokenizer: str | None = None) -> A
     from fastapi.responses import RedirectResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from gateway import viewer_auth
     from gateway.errors import GatewayError, NotFound
-    from gateway.routes import viewer_keys
+    from gateway.routes import ui_sign_in, viewer_keys
     from gateway.routes.common import error_response, json_response
     from gateway.services import install, open_services
     from gateway.settings import Settings
@@ -125,7 +124,7 @@ def create_view_app(url: str, admin_key: str, tokenizer: str | None = None) -> A
     for exc_type in (GatewayError, RequestValidationError, StarletteHTTPException, *STORE_UNAVAILABLE, Exception):
         app.add_exception_handler(exc_type, handle)
     app.include_router(viewer_keys.router)
-    viewer_auth.install(app)
+    ui_sign_in.install(app)
     mount_pages(app)
 
     @app.get("/health", include_in_schema=False)

@@ -196,3 +196,26 @@ def test_only_the_services_module_touches_app_state() -> None:
                 if "app.state" in line or '["app"].state' in line:
                     found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert found == []
+
+
+ROUTER_HOMES = ("gateway/routes/", "gateway/anthropic/", "gateway/ui/")
+"""Where the gateway's routers live: routes/, or the folder of their API (docs/architecture.md "Layers")."""
+ASSEMBLERS = ("gateway/app.py", "gateway/openapi.py")
+"""The app builder and its OpenAPI document, which put the routers together."""
+
+
+def test_routers_live_in_routes_and_logic_never_imports_them() -> None:
+    """No router outside its homes (as gateway/weight_sync.py once held one), and no module of the gateway's
+    logic imports a router module (gateway/weight_sync.py and gateway/viewer_auth.py once imported
+    routes.common): the routes import the logic, not the other way round."""
+    found = []
+    for path in sorted((ROOT / "gateway").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        if where.startswith(ROUTER_HOMES) or where in ASSEMBLERS:
+            continue
+        tree = ast.parse(path.read_text(), where)
+        if any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "APIRouter"
+               for n in ast.walk(tree)):
+            found.append(f"{where} makes an APIRouter")
+        found += [f"{where} imports {m}" for m in sorted(imports_of(path)) if m.startswith("gateway.routes.")]
+    assert found == []
