@@ -28,6 +28,7 @@ from gateway.errors import ServiceUnavailable
 from gateway.metrics import Metrics
 from gateway.pool import Backend, BackendPool
 from gateway.registry import Registry
+from gateway.samples import DEPRECATED_GAMMA, LeaseSamples
 from gateway.sessions_cache import SessionCache
 from gateway.settings import Settings
 from gateway.sglang import BackendError
@@ -226,7 +227,9 @@ async def open_services(settings: Settings, *, admin_key: str, serve: bool = Tru
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=settings.backend_timeout_s),
     )
-    leases = Leases(store, settings.gamma)
+    if "gamma" in settings.model_fields_set:
+        log.warning(DEPRECATED_GAMMA, settings.gamma)
+    leases = Leases(store, LeaseSamples(settings.gamma))
     metrics = Metrics()
 
     async def on_recover(backend: Backend) -> None:

@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_body
 from gateway.services import services
-from gateway.store.db import STORE_UNAVAILABLE
+from gateway.store.db import STORE_UNAVAILABLE as STORE_UNAVAILABLE  # the drivers' errors, named by the store
 
 M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger("rollway.gateway")

@@ -32,10 +32,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 import migrations
 
 MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
-# The store could not be reached or locked: through SQLAlchemy, or from the direct statements' own drivers.
 STORE_UNAVAILABLE = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlite3.OperationalError,
                      asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.TooManyConnectionsError,
                      asyncpg.CannotConnectNowError)
+"""The store could not be reached or locked: through SQLAlchemy, or from the direct statements' own drivers
+(each dialect's; the routes answer these with a 503)."""
 
 
 def async_url(url: str) -> str:
