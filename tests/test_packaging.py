@@ -17,17 +17,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-OWN = {"rollway", "gateway", "engine", "trainer", "migrations", "rollway_agents", "agents"}
+OWN = {"rollway", "rollway_common", "gateway", "engine", "trainer", "migrations", "rollway_agents", "agents"}
 # Import name -> distribution name where the two differ.
 DIST = {"yaml": "pyyaml", "pydantic_settings": "pydantic-settings", "prometheus_client": "prometheus-client",
         "sklearn": "scikit-learn"}
 # Modules that a declared distribution provides under another name.
 PROVIDED_BY = {"starlette": "fastapi", "anyio": "fastapi", "typing_extensions": "pydantic"}
 # Which dependency groups install each shipped package (the core dependencies always).
-GROUPS = {"gateway": [], "rollway": [], "agents": [], "migrations": [], "engine": ["engine"],
+GROUPS = {"rollway_common": [], "gateway": [], "rollway": [], "agents": [], "migrations": [], "engine": ["engine"],
           "trainer": ["train"]}
 # Files that import an optional extra's module (lazily, behind an option that is off by default): file -> extras.
-OPTIONAL = {"trainer/tracking.py": ["wandb", "mlflow"]}
+OPTIONAL = {"trainer/tracking.py": ["wandb", "mlflow"],
+            # torch: imported only by the engine and the trainer (tests/test_import_graph.py keeps the gateway off it)
+            "rollway_common/process_group.py": ["engine", "train"]}
 
 
 def _name(req: str) -> str:
