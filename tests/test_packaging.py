@@ -112,3 +112,21 @@ def test_the_tracking_extras_are_optional() -> None:
     assert _name(extras["wandb"][0]) == "wandb" and _name(extras["mlflow"][0]).startswith("mlflow")
     for group in (["all"], ["train"], []):
         assert not {n for n in _declared(group) if n.startswith(("wandb", "mlflow"))}, group
+
+
+def test_every_package_folder_ships() -> None:
+    """A wheel holds only the packages `[tool.setuptools] packages` names (no discovery): every folder with an
+    `__init__.py` under a shipped package must be listed, or a non-editable install fails on its import."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    dirs = {v: k for k, v in tool.get("package-dir", {}).items()}
+    missing = []
+    for top in listed:
+        if "." in top:
+            continue
+        base = ROOT / dirs.get(top, top)
+        for init in base.rglob("__init__.py"):
+            name = ".".join([top, *init.parent.relative_to(base).parts])
+            if name not in listed:
+                missing.append(name)
+    assert missing == []
