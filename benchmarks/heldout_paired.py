@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `engine` is t
 from loop_common import stack
 
 from rollway.demo import EVAL_TASKS, GROUPS_IN_FLIGHT, N_SAMPLES
-from rollway.paths import agent_file
 from rollway.rollout import Runner, load_agent, load_tasks, run_async
+from rollway_common.paths import agent_file
 
 
 def per_task(model: Path, wd: Path, tasks: list[dict[str, Any]]) -> list[bool]:

@@ -83,8 +83,8 @@ from loop_rollway import run_rollway  # noqa: E402
 from loop_trl import run_trl  # noqa: E402
 
 from rollway.demo import EVAL_TASKS  # noqa: E402
-from rollway.paths import agent_file  # noqa: E402
 from rollway.rollout import load_tasks  # noqa: E402
+from rollway_common.paths import agent_file  # noqa: E402
 
 DEFAULT_BUDGET_S = 400.0  # the demo's RL phase: 570 s in all, less SFT (~1.5-2 min), evals and the end reserve
 

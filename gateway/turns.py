@@ -32,12 +32,13 @@ from gateway.errors import BadRequest, Conflict, ContextLengthExceeded
 from gateway.generation import Generation
 from gateway.metrics import Metrics
 from gateway.sessions_cache import SessionCache, SessionView, share_messages
+from gateway.store.models import TurnRecord
 from gateway.store.store import SessionAuth, Store, unique_id
 from gateway.templating import ChatTemplate
 from gateway.tool_grammar import ForcedTools, resolve_tool_choice, structural_tag
 from gateway.tool_parsers import ParsedReply, ReplyParser
-from gateway.wire import pack
-from rollway.json_schema_check import unsupported_reason
+from rollway_common.json_schema_check import unsupported_reason
+from rollway_common.wire import pack
 
 T = TypeVar("T")
 
@@ -467,7 +468,7 @@ class TurnService:
         reply = {} if raw_only or (client_disconnected and not gen.ids) else self.template.assistant_message(parsed)
         if raw_only:
             reply = {"role": "assistant", "content": text}
-        values = dict(
+        record = TurnRecord(
             id=p.turn_id,
             parent_id=p.parent_id,
             endpoint=p.req.endpoint,
@@ -494,7 +495,7 @@ class TurnService:
             },
         )
         # Shielded: a client that goes away while we commit must not cancel the commit.
-        seq = await asyncio.shield(self.store.insert_turn(p.auth.id, values))
+        seq = await asyncio.shield(self.store.insert_turn(p.auth.id, record))
         if raw_only and p.view is not None and p.view.turn_count == seq - 1:
             # A raw completion is no parent (no messages), but its ids count toward the session's tokens.
             # The view stays current, as a reload from the store would build it; handing the cache a turn
@@ -555,7 +556,7 @@ def caller_param(endpoint: str, param: str | None) -> str | None:
 
 
 def _check_json_schema(req: TurnRequest) -> None:
-    """Refuse up front what SGLang 0.5.23 refuses in a `json_schema` grammar (rollway/json_schema_check.py), so
+    """Refuse up front what SGLang 0.5.23 refuses in a `json_schema` grammar (rollway_common/json_schema_check.py), so
     the answer does not depend on the backend; forced tool calls' schemas (in a structural_tag) are not checked,
     as SGLang does not check them."""
     try:

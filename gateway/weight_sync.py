@@ -1,5 +1,6 @@
 """Publishing weights over torch process groups: the gateway coordinates, the trainer broadcasts (docs/http-api.md
-"Weight sync over process groups"; the trainer's side is trainer/weight_sync.py).
+"Weight sync over process groups"; the trainer's side is trainer/weight_sync.py; the routes are
+gateway/routes/weight_sync.py).
 
     POST /v1/weights/sync/init {version, master_address, backend, timeout_s}
         -> {sync_id, groups: [{group_name, world_size, backend_id}]}     the publish lock is now held for the trainer
@@ -27,17 +28,10 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
-from pydantic import Field
-
-from gateway.auth import admin
 from gateway.errors import BadRequest, Conflict, ServiceUnavailable
 from gateway.pool import Backend
-from gateway.protocol import INT32_MAX, Strict
-from gateway.routes.common import json_response, read_body
 from gateway.sglang import BackendError
 
 log = logging.getLogger("rollway.gateway")
@@ -312,72 +306,3 @@ async def _each(targets: list[Target], fn: Any) -> None:
             log.warning("backend %s: %s", t.backend.id, e)
 
     await asyncio.gather(*(one(t) for t in targets))
-
-
-# -- routes ----------------------------------------------------------------------------------------------------
-
-router = APIRouter()
-
-
-class SyncInitBody(Strict):
-    version: int = Field(ge=1, le=INT32_MAX)
-    master_address: str = Field(min_length=1, max_length=255)
-    """The trainer's host as the inference servers reach it (their TCP stores connect there)."""
-    backend: Literal["gloo", "nccl"] = "nccl"
-    timeout_s: float = Field(default=120.0, gt=0, le=3600)
-    """Each collective's and each server call's limit."""
-    catch_up: bool = False
-    """Send the current `version` again, only to the backends that lack it (`awaiting_backends`)."""
-
-
-class Manifest(Strict):
-    names: list[str] = Field(min_length=1, max_length=100_000)
-    dtypes: list[str] = Field(min_length=1, max_length=100_000)
-    shapes: list[list[int]] = Field(min_length=1, max_length=100_000)
-
-
-class SyncBody(Strict):
-    sync_id: str = Field(min_length=1, max_length=64)
-    version: int = Field(ge=1, le=INT32_MAX)
-    ports: dict[str, int] = Field(default_factory=dict)
-    """group_name -> the port of the trainer's TCP store for that group."""
-    buckets: list[Manifest] = Field(min_length=1, max_length=100_000)
-    batch_ids: list[str] = Field(default_factory=list)
-    results: dict[str, str] = Field(default_factory=dict)
-
-
-def _sync(request: Request) -> ProcessGroupSync:
-    state = request.app.state
-    if getattr(state, "weight_sync", None) is None:
-        state.weight_sync = ProcessGroupSync(state.publisher)
-    sync: ProcessGroupSync = state.weight_sync
-    return sync
-
-
-@router.post("/v1/weights/sync/init")
-async def sync_init(request: Request) -> Response:
-    await admin(request)
-    body = await read_body(request, SyncInitBody)
-    await request.app.state.registry.reload()  # backends another gateway added take part
-    return json_response(await _sync(request).init(body.version, body.master_address, body.backend, body.timeout_s,
-                                                   body.catch_up))
-
-
-@router.post("/v1/weights/sync")
-async def sync(request: Request) -> Response:
-    await admin(request)
-    body = await read_body(request, SyncBody)
-    for b in body.buckets:
-        if not (len(b.names) == len(b.dtypes) == len(b.shapes)):
-            raise BadRequest("each bucket needs as many dtypes and shapes as names", param="buckets")
-    out = await _sync(request).sync(body.sync_id, body.version, body.ports, [b.model_dump() for b in body.buckets],
-                                    body.batch_ids, body.results)
-    if not out.get("catch_up"):
-        request.app.state.budget.notify_one()  # a new version widens the staleness budget
-    return json_response(out)
-
-
-@router.get("/v1/weights/sync")
-async def sync_progress(request: Request) -> Response:
-    await admin(request)
-    return json_response(await _sync(request).progress())

@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from rollway.embedded import die_with_parent, engine_process, free_port, stop, wait_healthy
 from rollway.keys import admin_key
-from rollway.paths import agent_file
 from rollway.rollout import Runner, append_line, load_agent, load_tasks, run_async, run_eval
+from rollway_common.paths import agent_file
 
 # Tuned on this 2-core machine (see the closing notes of the trainer issue for the sweep).
 SFT_EXAMPLES = 1000  # the training tasks only; the held-out tasks are never seen

@@ -97,7 +97,7 @@ def test_constrained_turn_is_out_of_the_loss(stack: Stack) -> None:
     """RL correctness: tokens sampled under a grammar are not samples of the policy, so the leased sample
     of a session whose first turn was forced has loss mask 0 on that turn's completion and 1 on the free
     answer after the tool's result."""
-    from rollway.wire import decode_array
+    from rollway_common.wire import decode_array
 
     s, since = stack.new_session(), stack.proxy.mark()
     messages: list[dict[str, Any]] = [{"role": "system", "content": model.SYSTEM},

@@ -13,7 +13,7 @@ import anthropic
 import httpx
 import pytest
 
-from gateway.anthropic import CLEARED_TOOL_RESULT, context_cut, stop_reason
+from gateway.anthropic.translate import CLEARED_TOOL_RESULT, context_cut, stop_reason
 from gateway.generation import Generation
 from tests.gateway.conftest import ids_of
 from tests.gateway.test_anthropic_api import assert_extends, turns
