@@ -259,7 +259,14 @@ class SyncPayload:
             with buffers.lock:  # waits for a catch-up sending the payload these buffers held
                 buffers.generation += 1
                 for names, flat in zip(layout, buffers.flats, strict=True):
-                    torch.cat([state[n].reshape(-1) for n in names], out=flat)
+                    if flat.device == state[names[0]].device:
+                        torch.cat([state[n].reshape(-1) for n in names], out=flat)
+                    else:  # the tensor path on a GPU: the CPU state dict copied into the device's buckets
+                        offset = 0
+                        for n in names:
+                            k = state[n].numel()
+                            flat[offset:offset + k].copy_(state[n].reshape(-1), non_blocking=True)
+                            offset += k
                     buckets.append(Bucket(names, [list(state[n].shape) for n in names], flat.dtype, flat))
         return cls(buckets, config, source, options, buffers)
 
