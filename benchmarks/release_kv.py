@@ -43,7 +43,8 @@ def run(url: str, rows: int, tokens: int, disturb: float | None) -> dict[str, fl
     def one(i: int) -> None:
         body = {"input_ids": [5 + i, 6, 7, 8] * 16, "sampling_params": {"max_new_tokens": tokens, "temperature": 0,
                                                                            "ignore_eos": True}}
-        httpx.post(url + "/generate", json=body, timeout=600).raise_for_status()
+        r = httpx.post(url + "/generate", json=body, timeout=600)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == tokens, r.text[:300]
         done.append(time.perf_counter() - t0)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(rows)]

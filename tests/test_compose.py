@@ -405,7 +405,7 @@ def test_named_volumes_are_declared_and_used(config: tuple[str, dict[str, Any]])
 
 def test_variables_are_documented_and_secrets_required() -> None:
     documented = set(env_example())
-    refs = references(load(BASE)) + references(load(CPU))
+    refs = references(load(BASE)) + references(load(CPU)) + references(load(ONE_GPU))
     names = {name for name, _, _ in refs}
     assert names <= documented, f"undocumented in .env.example: {sorted(names - documented)}"
     assert documented <= names, f"documented but never used: {sorted(documented - names)}"
