@@ -33,6 +33,7 @@ from gateway.proxies import TrustedProxies
 from gateway.routes.backends import Registry
 from gateway.routes.common import STORE_UNAVAILABLE, error_response
 from gateway.routes.dispatch import ErrorBoundary, SessionRoutes, nul_in_url, refuse_nul
+from gateway.samples import DEPRECATED_GAMMA, LeaseSamples
 from gateway.sessions_cache import SessionCache
 from gateway.settings import Settings
 from gateway.sglang import BackendError
@@ -119,7 +120,9 @@ def create_app(settings: Settings, *, admin_key: str) -> FastAPI:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=settings.backend_timeout_s),
         )
-        leases = Leases(store, settings.gamma)
+        if "gamma" in settings.model_fields_set:
+            log.warning(DEPRECATED_GAMMA, settings.gamma)
+        leases = Leases(store, LeaseSamples(settings.gamma))
         metrics = Metrics()
 
         async def on_recover(backend: Backend) -> None:

@@ -124,7 +124,9 @@ class Settings(BaseSettings):
     session_idle_timeout_s: float = 3600.0
     health_interval_s: float = 5.0
     gamma: float = 1.0
-    """Discount of per-turn rewards to earlier turns when building per-token returns."""
+    """Deprecated: the trainer's `gamma` (`rollway train --gamma`) discounts per-turn rewards now. Still the
+    discount of the per-token returns in a lease of format 1 (a trainer that asks for no `lease_format`), and,
+    when set, sent with format 2's leases for a trainer without a gamma of its own (docs/http-api.md)."""
     default_groups_per_step: int = 8
     """B for staleness admission until a trainer tells its own value with a lease request."""
     max_head_offpolicyness: int = -1

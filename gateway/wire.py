@@ -1,6 +1,15 @@
 """The gateway's name for the wire format of token arrays, which lives in `rollway.wire` so that the
 trainer can decode leases without importing the gateway."""
 
-from rollway.wire import Dtype, WireArray, decode_array, encode_array, pack, unpack
+from rollway.wire import (
+    LEASE_FORMAT,
+    LEASE_FORMATS,
+    Dtype,
+    WireArray,
+    decode_array,
+    encode_array,
+    pack,
+    unpack,
+)
 
-__all__ = ["Dtype", "WireArray", "decode_array", "encode_array", "pack", "unpack"]
+__all__ = ["LEASE_FORMAT", "LEASE_FORMATS", "Dtype", "WireArray", "decode_array", "encode_array", "pack", "unpack"]

@@ -26,6 +26,14 @@ READY_WAIT_S = 10.0
 """How long after the gateway first answers a backend may take to become healthy before `rollway serve` warns."""
 
 
+KEEP_ALIVE_S = 75
+"""How long the gateway keeps an idle client connection open. Well above what clients keep one for (the openai
+and anthropic SDKs: httpx's 5 s; the rollout runner: 2 s): a client must be the side that drops an idle
+connection, else it may send a request on one the server is closing at that instant. With uvicorn's default of
+5 s, equal to the SDKs' own, a demo on a machine at load 18 lost its group creation to exactly that ("Can not
+write request body") and stopped."""
+
+
 def prepare_database(url: str) -> None:
     """SQLite: bring the embedded file to head. PostgreSQL: refuse to start when behind (docs/architecture.md
     "The store")."""
@@ -165,7 +173,8 @@ def serve(args: argparse.Namespace) -> int:
         # proxy_headers off: uvicorn would believe X-Forwarded-For from 127.0.0.1, i.e. from any local user;
         # the app believes them from ROLLWAY_TRUSTED_PROXIES only (gateway.proxies).
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, loop="uvloop",
-                                               http="httptools", timeout_graceful_shutdown=5, proxy_headers=False))
+                                               http="httptools", timeout_graceful_shutdown=5, proxy_headers=False,
+                                               timeout_keep_alive=KEEP_ALIVE_S))
         threading.Thread(target=announce_readiness, args=(local_url(settings.host, settings.port), settings.backends),
                          name="readiness", daemon=True).start()
         server.run(sockets=[sock])

@@ -14,6 +14,12 @@ from array import array
 from collections.abc import Sequence
 from typing import Literal, TypedDict
 
+LEASE_FORMAT = 2
+"""The lease's shape (docs/http-api.md "POST /v1/batches"), asked for with `lease_format`: 2 carries each
+sample's turns (`turn_ends`, `completion_starts`, `turn_rewards`) and the trainer computes returns; 1 (what a
+request without `lease_format` gets) carries per-token `returns` computed by the gateway."""
+LEASE_FORMATS = (1, 2)
+
 Dtype = Literal["int32", "float32", "uint8"]
 _TYPECODE: dict[str, str] = {"int32": "i", "float32": "f", "uint8": "B"}
 _BIG_ENDIAN = sys.byteorder == "big"

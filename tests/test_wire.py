@@ -37,10 +37,10 @@ def test_trainer_decodes_what_the_gateway_encodes() -> None:
         turn("t1", None, [1, 2, 3], [151643, 7], [-0.5, -0.25], [3, 3]),
         turn("t2", "t1", [9], [10], [-1.0], [4]),
     ]
-    (seq,) = session_sequences(rows, session_reward=1.0, gamma=1.0)
+    (seq,) = session_sequences(rows)
     group = {"group_id": "g", "task": {"prompt": "x"},
              "sessions": [{"session_id": "s", "reward": 1.0, "state": "finished"}],
-             "samples": [seq.wire("g", "s", 1.0)]}
+             "samples": [seq.wire("g", "s", 1.0, lease_format=1)]}
     leased = parse_group(orjson.loads(orjson.dumps(group)))  # the trainer's side of POST /v1/batches
     (sample,) = leased.samples
     assert sample.token_ids == [1, 2, 3, 151643, 7, 9, 10]

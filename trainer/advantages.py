@@ -2,13 +2,16 @@
 
 Per group: baseline b = mean of the session rewards, each session counted once however many sequences it
 produced; with `std_norm`, s = the population std of those rewards (GRPO), else s = 1 (Dr. GRPO). A token's
-advantage is (return_t - b) / s where loss_mask = 1, else 0. `returns` is the per-token return from the
-gateway: the session reward everywhere for outcome rewards, or per-turn discounted returns.
+advantage is (return_t - b) / s where loss_mask = 1, else 0. The per-token return is computed here from the
+lease's turns (`chain_returns`, lease format 2): the session reward on every loss token for outcome rewards,
+or, when any turn of the chain carries a reward, each turn's rewards discounted backwards with `gamma`. From a
+gateway that speaks only format 1 the sample's `returns` are the gateway's own.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 
 from trainer.client import Group, Sample
@@ -30,6 +33,34 @@ def token_advantages(
     returns: list[float], loss_mask: list[int], baseline: float, scale: float
 ) -> list[float]:
     return [(r - baseline) / scale if m else 0.0 for r, m in zip(returns, loss_mask, strict=True)]
+
+
+def turn_returns(rewards: list[float | None], session_reward: float | None, gamma: float) -> list[float]:
+    """Per turn of one chain: the discounted sum of its and later turns' rewards when any turn has one, else the
+    session reward (0 without one)."""
+    if not any(r is not None for r in rewards):
+        return [float(session_reward or 0.0)] * len(rewards)
+    out = [0.0] * len(rewards)
+    acc = 0.0
+    for i in range(len(rewards) - 1, -1, -1):
+        acc = float(rewards[i] or 0.0) + gamma * acc
+        out[i] = acc
+    return out
+
+
+def chain_returns(sample: Sample, gamma: float) -> list[float]:
+    """Per token of a sample: its turn's return where loss_mask = 1, else 0. Rounded to float32, the precision
+    lease format 1 carried them in, so that a step's advantages are the ones that format gave."""
+    if sample.returns is not None:
+        return sample.returns
+    assert sample.turn_ends is not None and sample.turn_rewards is not None  # Sample checks one form is there
+    rets = turn_returns(sample.turn_rewards, sample.reward, gamma)
+    out: list[float] = []
+    start = 0
+    for end, ret in zip(sample.turn_ends, rets, strict=True):
+        out += [ret if m else 0.0 for m in sample.loss_mask[start:end]]
+        start = end
+    return array("f", out).tolist()
 
 
 def session_rewards(group: Group) -> dict[str, float]:
@@ -60,13 +91,13 @@ class ScoredGroup:
     """Every advantage is zero (for outcome rewards: all session rewards equal), or nothing trains."""
 
 
-def score_group(group: Group, std_norm: bool) -> ScoredGroup:
+def score_group(group: Group, std_norm: bool, gamma: float = 1.0) -> ScoredGroup:
     rewards_by_session = session_rewards(group)
     samples = [s for s in group.samples if s.session_id in rewards_by_session and s.n_loss_tokens > 0]
     rewards = list(rewards_by_session.values())
     if not samples or len(rewards) < 1:
         return ScoredGroup(group.group_id, [], [], rewards, True)
     baseline, scale = baseline_and_scale(rewards, std_norm)
-    advantages = [token_advantages(s.returns, s.loss_mask, baseline, scale) for s in samples]
+    advantages = [token_advantages(chain_returns(s, gamma), s.loss_mask, baseline, scale) for s in samples]
     all_zero = all(abs(a) < 1e-12 for adv in advantages for a in adv)
     return ScoredGroup(group.group_id, samples, advantages, rewards, all_zero)

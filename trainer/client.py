@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from rollway.wire import decode_array
+from rollway.wire import LEASE_FORMAT, decode_array
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,20 @@ class Sample:
     loss_mask: list[int]
     logprobs: list[float]
     versions: list[int]
-    returns: list[float]
+    returns: list[float] | None = None
+    """Per token, from a lease of format 1 (the gateway's returns); None in format 2, whose turns give them."""
+    turn_ends: list[int] | None = None
+    """Format 2: per turn of the chain, the index after its last token (increasing, the last = the length)."""
+    completion_starts: list[int] | None = None
+    """Format 2: per turn, the index of its completion's first token."""
+    turn_rewards: list[float | None] | None = None
+    """Format 2: per turn, its own reward or None (trainer/advantages.py `chain_returns`)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
-        arrays: list[list[Any]] = [self.loss_mask, self.logprobs, self.versions, self.returns]
+        arrays: list[list[Any]] = [self.loss_mask, self.logprobs, self.versions]
+        if self.returns is not None:
+            arrays.append(self.returns)
         if isinstance(self.temperature, list):
             arrays.append(self.temperature)
         if any(len(a) != n for a in arrays):
@@ -69,8 +78,23 @@ class Sample:
         # gateway refuses rewards beyond 1e6, so only a broken or foreign gateway can send these.
         if self.reward is not None and not math.isfinite(self.reward):
             raise ValueError(f"sample of session {self.session_id}: non-finite reward {self.reward}")
-        if not all(map(math.isfinite, self.returns)):
+        if self.returns is not None and not all(map(math.isfinite, self.returns)):
             raise ValueError(f"sample of session {self.session_id}: non-finite values in returns")
+        if self.returns is None:
+            self._check_turns(n)
+
+    def _check_turns(self, n: int) -> None:
+        ends, starts, rewards = self.turn_ends, self.completion_starts, self.turn_rewards
+        if ends is None or rewards is None:
+            raise ValueError(f"sample of session {self.session_id}: neither returns nor turn_ends and turn_rewards")
+        if len(rewards) != len(ends) or (starts is not None and len(starts) != len(ends)):
+            raise ValueError(f"sample of session {self.session_id}: turn arrays differ in length")
+        if (ends and ends[-1] != n) or any(b < a for a, b in zip([0, *ends], ends, strict=False)):
+            raise ValueError(f"sample of session {self.session_id}: turn_ends must not fall and end at the sample's length {n}")
+        if starts is not None and any(not a <= c <= b for a, c, b in zip([0, *ends], starts, ends, strict=False)):
+            raise ValueError(f"sample of session {self.session_id}: a completion_start lies outside its turn")
+        if not all(r is None or math.isfinite(r) for r in rewards):
+            raise ValueError(f"sample of session {self.session_id}: non-finite values in turn_rewards")
 
     @property
     def n_loss_tokens(self) -> int:
@@ -102,6 +126,11 @@ class Lease:
     expires_at: Any
     groups: list[Group] = field(default_factory=list)
     dropped_stale: int = 0
+    lease_format: int = 1
+    """2: the samples carry their turns and the trainer computes returns; 1: a gateway older than format 2
+    sent per-token returns, discounted with its own gamma."""
+    gateway_gamma: float | None = None
+    """The gateway's deprecated gamma, sent (format 2) only where it was set: used when the trainer has none."""
 
 
 def _array(obj: Any) -> list[Any]:
@@ -122,8 +151,17 @@ def parse_sample(d: dict[str, Any]) -> Sample:
         loss_mask=_array(d["loss_mask"]),
         logprobs=_array(d["logprobs"]),
         versions=_array(d["versions"]),
-        returns=_array(d["returns"]),
+        returns=_array(d["returns"]) if "returns" in d else None,
+        turn_ends=_array(d["turn_ends"]) if "turn_ends" in d else None,
+        completion_starts=_array(d["completion_starts"]) if "completion_starts" in d else None,
+        turn_rewards=_rewards(d["turn_rewards"]) if "turn_rewards" in d else None,
     )
+
+
+def _rewards(raw: Any) -> list[float | None]:
+    if not isinstance(raw, list):
+        raise ValueError(f"turn_rewards must be a list of numbers or nulls, got {type(raw).__name__}")
+    return [None if r is None else float(r) for r in raw]
 
 
 def parse_group(d: dict[str, Any]) -> Group:
@@ -152,6 +190,8 @@ class GatewayClient:
         timeout: float = 30.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
+        self.lease_format = LEASE_FORMAT
+        """What `lease` asks for; 1 once a gateway older than format 2 refused the field."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
@@ -213,13 +253,28 @@ class GatewayClient:
             # Only when set: a gateway without the option refuses the unknown field.
             **({"train_constrained_turns": True} if train_constrained_turns else {}),
         }
-        r = self._request("POST", "/v1/batches", json=body, timeout=self.timeout + wait_seconds)
+        if self.lease_format != 1:
+            body["lease_format"] = self.lease_format
+        try:
+            r = self._request("POST", "/v1/batches", json=body, timeout=self.timeout + wait_seconds)
+        except GatewayHTTPError as e:
+            if "lease_format" not in body or e.status != 400 or "lease_format" not in e.message:
+                raise
+            # A gateway older than format 2 refuses the unknown field before leasing anything: ask again for
+            # format 1, whose returns it discounts with its own gamma (the trainer's gamma does not apply).
+            log.warning("gateway %s speaks lease format 1 only: returns come discounted with its gamma (this "
+                        "trainer's gamma does not apply); upgrade the gateway", self.base_url)
+            self.lease_format = 1
+            del body["lease_format"]
+            r = self._request("POST", "/v1/batches", json=body, timeout=self.timeout + wait_seconds)
         if r.status_code == 204 or not r.content:
             return None
         d = r.json()
         groups = [parse_group(g) for g in d.get("groups") or []]
+        gamma = d.get("gamma")
         return Lease(
-            str(d.get("batch_id") or ""), d.get("expires_at"), groups, int(d.get("dropped_stale") or 0)
+            str(d.get("batch_id") or ""), d.get("expires_at"), groups, int(d.get("dropped_stale") or 0),
+            int(d.get("lease_format") or 1), None if gamma is None else float(gamma),
         )
 
     def renew(self, batch_id: str, lease_seconds: float) -> None:

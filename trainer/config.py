@@ -84,6 +84,9 @@ class TrainConfig:
     than a micro-batch's budget, alone in its pass, pays the recompute)."""
     adv_std_norm: bool = False
     """Divide advantages by the group's reward std (GRPO); off by default (Dr. GRPO)."""
+    gamma: float | None = None
+    """Discount of per-turn rewards to earlier turns in a chain's returns (trainer/advantages.py), recorded with
+    each step. Unset: the gateway's deprecated `gamma` when the lease carries one (ROLLWAY_GAMMA), else 1.0."""
     clip_low: float = 0.2
     """PPO clip: ratio floor 1 - clip_low."""
     clip_high: float = 0.28
@@ -211,6 +214,8 @@ class TrainConfig:
             raise ValueError("activation_checkpointing_min_tokens must be >= 0")
         if self.lora_rank < 0 or self.lora_alpha < 0:
             raise ValueError("lora_rank and lora_alpha must be >= 0")
+        if self.gamma is not None and not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma must be within [0, 1], got {self.gamma}")
         if self.weight_sync_catch_up_s < 0:
             raise ValueError(f"weight_sync_catch_up_s must be >= 0, got {self.weight_sync_catch_up_s}")
         if self.lora_rank and not [t for t in self.lora_targets.split(",") if t.strip()]:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from trainer.advantages import ScoredGroup, score_group
 from trainer.batching import plan_step, rows_of
 from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, prune_weights, save_checkpoint
-from trainer.client import GatewayClient, LeaseRenewer, StepReporter
+from trainer.client import GatewayClient, Lease, LeaseRenewer, StepReporter
 from trainer.config import TrainConfig, load_config, parse_overrides
 from trainer.fsdp import DistInfo, broadcast, init_distributed, load_sharded_model, shutdown
 from trainer.lora import export_adapter, inject, load_adapter, publish_path
@@ -68,6 +68,25 @@ class StepBatch:
     stale: int = 0
     staleness: list[int] = field(default_factory=list)
     wait_s: float = 0.0
+    gamma: float | None = None
+    """The discount its returns were computed with (`lease_gamma`); None: a format 1 lease's, the gateway's."""
+
+
+def lease_gamma(cfg: TrainConfig, lease: Lease) -> float | None:
+    """The trainer's gamma, else the gateway's deprecated one where the lease carries it, else 1.0. None for a
+    lease of format 1: its returns come discounted by the gateway."""
+    if lease.lease_format < 2:
+        return None
+    if cfg.gamma is None:
+        return 1.0 if lease.gateway_gamma is None else lease.gateway_gamma
+    if lease.gateway_gamma is not None and lease.gateway_gamma != cfg.gamma and lease.gateway_gamma not in _WARNED:
+        _WARNED.add(lease.gateway_gamma)  # once per value, not once per lease
+        log.warning("the gateway sets the deprecated gamma=%g; this trainer's gamma=%g applies", lease.gateway_gamma,
+                    cfg.gamma)
+    return cfg.gamma
+
+
+_WARNED: set[float] = set()
 
 
 def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, version: int) -> StepBatch:
@@ -89,8 +108,9 @@ def collect(client: GatewayClient, renewer: LeaseRenewer, cfg: TrainConfig, vers
             break  # train on what we have (maybe nothing: the loop asks again)
         renewer.hold(lease.batch_id)
         filtered: dict[str, str] = {}
+        out.gamma = gamma = lease_gamma(cfg, lease)
         for group in lease.groups:
-            scored = score_group(group, cfg.adv_std_norm)
+            scored = score_group(group, cfg.adv_std_norm, 1.0 if gamma is None else gamma)
             out.rewards.extend(scored.rewards)
             if not scored.samples or (cfg.dynamic_filter and scored.filtered):
                 filtered[group.group_id] = "filtered"
@@ -341,6 +361,8 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
                 lease_wait_s=lease_wait,  # blocked on this step's batch (leased while the last step trained)
                 lease_time_s=batch.wait_s,  # the lease calls themselves, on their thread
             )
+            if batch.gamma is not None:
+                metrics["gamma"] = batch.gamma  # returns were discounted with it (trainer/advantages.py)
             metrics["tokens_per_s"] = metrics["tokens"] / max(step_time, 1e-9)
             metrics["lr"] = float(optimizer.param_groups[0]["lr"])
             if renewer and renewer.errors:

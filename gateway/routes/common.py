@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import asyncpg
 import jinja2
 import orjson
-import sqlalchemy.exc
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -21,12 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_body
+from gateway.store.db import STORE_UNAVAILABLE as STORE_UNAVAILABLE  # the drivers' errors, named by the store
 
 M = TypeVar("M", bound=BaseModel)
-# The store could not be reached or locked: through SQLAlchemy, or from the direct statements' own drivers.
-STORE_UNAVAILABLE = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlite3.OperationalError,
-                      asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.TooManyConnectionsError,
-                      asyncpg.CannotConnectNowError)
 log = logging.getLogger("rollway.gateway")
 
 

@@ -13,6 +13,7 @@ from gateway.protocol import INT32_MAX, Strict
 from gateway.routes.common import json_response, read_body
 from gateway.store.leases import LeaseRequest
 from gateway.weight_sync import router as sync_router
+from gateway.wire import LEASE_FORMATS
 
 router = APIRouter()
 router.include_router(sync_router)  # publishing over process groups: /v1/weights/sync/init, /v1/weights/sync
@@ -31,6 +32,17 @@ class LeaseBody(Strict):
     trainer_version: int | None = Field(default=None, ge=0, le=INT32_MAX)
     train_constrained_turns: bool = False
     """Give the completions of constrained turns (decoded under a grammar) loss mask 1 too (gateway/samples.py)."""
+    lease_format: int = 1
+    """The samples' shape: 1 (absent: what a trainer written before format 2 gets) carries per-token `returns`
+    discounted with the gateway's deprecated gamma; 2 carries the turns (`turn_ends`, `completion_starts`,
+    `turn_rewards`) and the trainer computes returns (docs/http-api.md "POST /v1/batches")."""
+
+    @field_validator("lease_format")
+    @classmethod
+    def _known_format(cls, v: int) -> int:
+        if v not in LEASE_FORMATS:
+            raise ValueError(f"lease_format {v} is not one this gateway speaks: {', '.join(map(str, LEASE_FORMATS))}")
+        return v
 
     @model_validator(mode="after")
     def _min_within_max(self) -> LeaseBody:
@@ -73,7 +85,7 @@ async def lease(request: Request) -> Response:
     body = await read_body(request, LeaseBody)
     leases = request.app.state.leases
     req = LeaseRequest(body.max_groups, body.lease_seconds, body.groups_per_step, body.max_head_offpolicyness,
-                       body.trainer_version, body.train_constrained_turns)
+                       body.trainer_version, body.train_constrained_turns, body.lease_format)
     deadline = time.monotonic() + body.wait_seconds
     stale_total = 0
     await leases.remember_params(req)  # admission uses them now, not only once a wait for min_groups ends
@@ -100,7 +112,13 @@ async def lease(request: Request) -> Response:
         # Count again after a poll interval (changes through another gateway, lapsed leases) or once this gateway
         # saw as many completions as were missing: a count per completed group was ~5% of the gateway's CPU.
         count = not woken or completions.count - mark >= missing
-    return json_response({"batch_id": batch_id, "expires_at": expires, "groups": groups, "dropped_stale": stale_total})
+    out = {"batch_id": batch_id, "expires_at": expires, "groups": groups, "dropped_stale": stale_total}
+    if body.lease_format >= 2:
+        settings = request.app.state.settings
+        out["lease_format"] = body.lease_format
+        if "gamma" in settings.model_fields_set:  # the deprecated gateway gamma, for a trainer without its own
+            out["gamma"] = settings.gamma
+    return json_response(out)
 
 
 @router.post("/v1/batches/{batch_id}/renew")

@@ -22,7 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import sqlalchemy
+import sqlalchemy.exc
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, CursorResult, Dialect, Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -30,6 +32,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 import migrations
 
 MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
+STORE_UNAVAILABLE = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlite3.OperationalError,
+                     asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.TooManyConnectionsError,
+                     asyncpg.CannotConnectNowError)
+"""The store could not be reached or locked: through SQLAlchemy, or from the direct statements' own drivers
+(each dialect's; the routes answer these with a 503)."""
 
 
 def async_url(url: str) -> str:

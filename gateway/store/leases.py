@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from sqlalchemy import Table, and_, func, select, update
 
 from gateway.errors import Conflict, NotFound
-from gateway.samples import session_sequences
 from gateway.store.models import AdmissionCount, Batch, Group, Session, Setting, WeightState
-from gateway.store.store import Store, new_id
+from gateway.store.store import Store, TurnRow, new_id
 
 G = cast(Table, Group.__table__)
 AC = cast(Table, AdmissionCount.__table__)
@@ -35,13 +34,24 @@ class LeaseRequest:
     trainer_version: int | None
     train_constrained: bool = False
     """Train the completions of constrained turns too (gateway/samples.py)."""
+    lease_format: int = 1
+    """The samples' wire shape (docs/http-api.md "POST /v1/batches"): 1 (per-token returns) or 2 (turns)."""
+
+
+class SampleBuilder(Protocol):
+    """What a lease hands out for one finished session, built outside the store (gateway/samples.py): its
+    samples in the wire shape `req` asks for, each with its oldest trained weight version (None: no loss
+    token), which the staleness check reads."""
+
+    def __call__(self, group_id: str, session_id: str, reward: float | None, turns: list[TurnRow],
+                 req: LeaseRequest) -> list[tuple[dict[str, Any], int | None]]: ...
 
 
 class Leases:
-    def __init__(self, store: Store, gamma: float) -> None:
+    def __init__(self, store: Store, samples: SampleBuilder) -> None:
         self.store = store
         self.engine = store.engine
-        self.gamma = gamma
+        self.samples = samples
         self._remembered: tuple[tuple[int | None, int | None], float] | None = None
         """The trainer's admission parameters this process last wrote, and when (time.monotonic)."""
 
@@ -132,23 +142,26 @@ class Leases:
             )
             await conn.execute(B.insert().values(id=batch_id, state="leased", created_at=now, expires_at=expires,
                                                  trainer_version=version))
-        groups, stale = [], []
-        samples = await self._group_samples(list(cands), batch_id, req.train_constrained)
+        groups, stale, empty = [], [], []
+        samples = await self._group_samples(list(cands), batch_id, req)
         for gid in cands:
-            g = samples.get(gid)
-            if g is None:
+            found = samples.get(gid)
+            if found is None:
                 continue
-            oldest = min((s["_oldest"] for s in g["samples"] if s["_oldest"] is not None), default=None)
+            g, oldest = found
+            if not g["samples"]:  # nothing to train (no finished session with a loss token): closed here, as a
+                empty.append(gid)  # trainer would ack it, not handed out to stay leased until someone does
+                continue
             eta = req.max_head_offpolicyness
             if eta is not None and eta >= 0 and oldest is not None and version - oldest > eta:
                 stale.append(gid)
                 continue
-            for s in g["samples"]:
-                del s["_oldest"]
             groups.append(g)
-        if stale:
+        if stale or empty:
             async with self.store.begin() as conn:
-                await conn.execute(update(G).where(G.c.id.in_(stale)).values(state="dropped", drop_reason="stale"))
+                for ids, reason in ((stale, "stale"), (empty, "no_samples")):
+                    if ids:
+                        await conn.execute(update(G).where(G.c.id.in_(ids)).values(state="dropped", drop_reason=reason))
         if not groups:
             async with self.store.begin() as conn:
                 await conn.execute(update(B).where(B.c.id == batch_id).values(state="acked"))
@@ -156,10 +169,11 @@ class Leases:
         return batch_id, expires, groups, len(stale)
 
     async def _group_samples(
-        self, group_ids: list[str], batch_id: str, train_constrained: bool = False
-    ) -> dict[str, dict[str, Any]]:
-        """Each group of `group_ids` still in `batch_id`, with its samples: three queries for the whole lease (the
-        groups, their sessions, the finished sessions' turns), not one per session."""
+        self, group_ids: list[str], batch_id: str, req: LeaseRequest
+    ) -> dict[str, tuple[dict[str, Any], int | None]]:
+        """Each group of `group_ids` still in `batch_id`, with its samples and their oldest trained version: three
+        queries for the whole lease (the groups, their sessions, the finished sessions' turns), not one per
+        session."""
         async with self.engine.connect() as conn:
             found = (await conn.execute(
                 select(G.c.id, G.c.task).where(and_(G.c.id.in_(group_ids), G.c.batch_id == batch_id))
@@ -173,16 +187,18 @@ class Leases:
         out: dict[str, dict[str, Any]] = {
             gid: {"group_id": gid, "task": task, "samples": [], "sessions": []} for gid, task in tasks.items()
         }
+        oldest: dict[str, int | None] = dict.fromkeys(out)
         for s in sessions:
             g = out[s.group_id]
             g["sessions"].append({"session_id": s.id, "reward": s.reward, "state": s.state})
             if s.state != "finished":
                 continue
-            for seq in session_sequences(turns[s.id], s.reward, self.gamma, train_constrained=train_constrained):
-                wire = seq.wire(s.group_id, s.id, s.reward)
-                wire["_oldest"] = seq.oldest_version
+            for wire, first in self.samples(s.group_id, s.id, s.reward, turns[s.id], req):
                 g["samples"].append(wire)
-        return out
+                if first is not None:
+                    now = oldest[s.group_id]
+                    oldest[s.group_id] = first if now is None else min(now, first)
+        return {gid: (g, oldest[gid]) for gid, g in out.items()}
 
     async def renew(self, batch_id: str, lease_seconds: float) -> float:
         await self.expire()

@@ -35,6 +35,7 @@ from gateway.store.direct import (
 )
 from gateway.store.models import Group, Session, Turn
 from gateway.store.reports import ViewerStore
+from gateway.store.views import mean_std
 
 G = cast(Table, Group.__table__)
 S = cast(Table, Session.__table__)
@@ -429,8 +430,8 @@ class Store(ViewerStore):
 
     async def eval_summary(self) -> dict[str, dict[str, float]]:
         """Complete eval groups by `metadata.eval_version` (what `rollway rollout` sets; "unknown" without):
-        mean session reward, pass@k (share of groups with a session reward > 0; k = the groups' size, the
-        largest when sizes differ) and the number of groups."""
+        mean session reward (finite whatever the rewards: `views.mean_std`), pass@k (share of groups with a session
+        reward > 0; k = the groups' size, the largest when sizes differ) and the number of groups."""
         q = (
             select(G.c.id, G.c["metadata"], G.c.n_samples, S.c.reward)
             .join(S, S.c.group_id == G.c.id)
@@ -449,7 +450,7 @@ class Store(ViewerStore):
         for label, groups in by_version.items():
             rewards = [r for rs in groups.values() for r in rs]
             out[label] = {
-                "mean_reward": sum(rewards) / len(rewards),
+                "mean_reward": mean_of(rewards),  # a plain sum gave inf for rewards past 1e308 / n
                 "pass_at_k": sum(1 for rs in groups.values() if any(r > 0 for r in rs)) / len(groups),
                 "k": float(sizes[label]),
                 "groups": float(len(groups)),
@@ -462,3 +463,10 @@ class Store(ViewerStore):
             s = (await conn.execute(select(S.c.state, func.count()).group_by(S.c.state))).all()
             t = (await conn.execute(select(T.c.continuity, func.count()).group_by(T.c.continuity))).all()
         return {"groups": dict(g), "sessions": dict(s), "turns": dict(t)}
+
+
+def mean_of(values: list[float]) -> float:
+    """The mean of finite rewards, never inf (`mean_std`: an exact sum, scaled where it would overflow); 0.0
+    for none."""
+    stats = mean_std(values)
+    return stats[0] if stats else 0.0

@@ -8,17 +8,16 @@ under the reason the chain broke.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import Any, cast
 
-import orjson
-from sqlalchemy import Table, Text, func, literal, select, text
-from sqlalchemy import cast as sql_cast
+from sqlalchemy import Table, func, select
 
 from gateway.records import _looks_failed
 from gateway.store.db import DbEngine
 from gateway.store.models import Turn
 from gateway.store.store import TurnRow
+from gateway.store.views import LightTurn
 from gateway.wire import unpack
 
 T = cast(Table, Turn.__table__)
@@ -59,83 +58,6 @@ def message_view(message: dict[str, Any], index: int) -> dict[str, Any]:
 
 def _versions(blob: bytes) -> list[int]:
     return unpack(blob, "int32")  # type: ignore[return-value]
-
-
-@dataclass(slots=True)
-class LightTurn:
-    """A turn without its token arrays or its request's history, for the conversation: what the page shows of
-    a 200-turn session without reading its megabytes of tokens (the token view loads those on demand)."""
-
-    id: str
-    seq: int
-    parent_id: str | None
-    reply: dict[str, Any]
-    versions: bytes
-    temperature: float
-    finish_reason: str
-    continuity: str
-    chain_reason: str | None
-    client_disconnected: bool
-    reward: float | None
-    prompt_len: int
-    timings: dict[str, Any]
-    completion_len: int = 0
-    sampling: dict[str, Any] = field(default_factory=dict)
-    asked: dict[str, Any] = field(default_factory=dict)
-    first_new: int = 0
-    """Index in its request's messages of the first one its parent's request and reply did not have."""
-    new_messages: list[dict[str, Any]] = field(default_factory=list)
-
-
-# Each request holds the whole history the agent replayed: a long session's requests are O(turns²) of JSON
-# (4.3 MB for the benchmark's 200 turns; parsing it all took 0.25 s). The database hands over only what is
-# new in each turn, the messages past its parent's count, taking the arrays apart in C.
-_TAIL_SQL = {  # each parent's count computed once (MATERIALIZED), not once per element: 0.33 -> 0.05 s
-    "sqlite": """WITH x AS MATERIALIZED (
-            SELECT t.seq, t.request, COALESCE(json_array_length(p.request, '$.messages') + 1, 0) AS first
-            FROM turns t LEFT JOIN turns p ON p.id = t.parent_id WHERE t.session_id = :sid)
-        SELECT x.seq, j.key, j.value FROM x, json_each(x.request, '$.messages') j WHERE j.key >= x.first
-        ORDER BY x.seq, j.key""",
-    # PostgreSQL's json is text, parsed again by every function given it: each request's messages are taken out
-    # once (x), counted once (n), taken apart once (here 3 parses of 4.3 MB, ~140 ms; it was 6, ~230 ms).
-    "postgresql": """WITH x AS MATERIALIZED (
-            SELECT t.id, t.parent_id, t.seq, t.request->'messages' AS m FROM turns t WHERE t.session_id = :sid),
-        y AS MATERIALIZED (SELECT id, parent_id, seq, CASE WHEN json_typeof(m) = 'array' THEN m END AS m FROM x),
-        n AS MATERIALIZED (SELECT id, json_array_length(m) AS n FROM y WHERE m IS NOT NULL)
-        SELECT y.seq, j.idx - 1, j.value::text FROM y LEFT JOIN n ON n.id = y.parent_id
-            CROSS JOIN LATERAL json_array_elements(y.m) WITH ORDINALITY AS j(value, idx)
-        WHERE j.idx - 1 >= COALESCE(n.n + 1, 0) ORDER BY 1, 2""",
-}
-
-
-async def light_turns(engine: DbEngine, session_id: str) -> list[LightTurn]:
-    names = [f.name for f in fields(LightTurn)][:13]
-    req = T.c.request
-    extract = ((func.json_extract(req, "$.sampling"), func.json_extract(req, "$.asked"))
-               if engine.dialect.name == "sqlite" else
-               (sql_cast(req.op("->")(literal("sampling")), Text), sql_cast(req.op("->")(literal("asked")), Text)))
-    q = (select(*(T.c[n] for n in names), func.length(T.c.completion_ids), *extract)
-         .where(T.c.session_id == session_id).order_by(T.c.seq))
-    async with engine.connect() as conn:
-        rows: list[Any] = list((await conn.execute(q)).all())
-        tails = (await conn.execute(text(_TAIL_SQL[engine.dialect.name]), {"sid": session_id})).all()
-    turns = {}
-    for r in rows:
-        turn = LightTurn(*r[:13])
-        turn.completion_len, turn.sampling, turn.asked = int(r[13] or 0) // 4, _obj(r[14]), _obj(r[15])
-        turns[turn.seq] = turn
-    for seq, index, value in tails:
-        turn = turns[seq]
-        if not turn.new_messages:
-            turn.first_new = int(index)
-        message = orjson.loads(value)
-        turn.new_messages.append(message if isinstance(message, dict) else {"role": "?", "content": str(message)})
-    return list(turns.values())
-
-
-def _obj(raw: Any) -> dict[str, Any]:
-    value = orjson.loads(raw) if isinstance(raw, str | bytes) else raw
-    return value if isinstance(value, dict) else {}
 
 
 async def token_turns(engine: DbEngine, session_id: str) -> list[TurnRow]:

@@ -1,11 +1,11 @@
 """The run overview's figures (GET /ui/api/overview): aggregates the store computes, a few hundred points at
 most whatever the run's size, so the page can poll them during a run.
 
-Wall-clock series are bucketed in SQL into about `BUCKETS` buckets between the first and the last event;
-the page smooths the training reward itself (an EMA over buckets, the raw points drawn too). Held-out evals
-are grouped by their round (`metadata.eval_version`), never cut by a time bucket: one point per round, at the
-time its last group completed. Every mean is overflow-safe (`queries.safe_avg`, `queries.mean_std`): a store
-holding rewards of 1e155 or 1e308 still gives finite figures on SQLite and PostgreSQL.
+Wall-clock series are bucketed in SQL (gateway/store/views.py) into about 60 buckets between the first and the
+last event; the page smooths the training reward itself (an EMA over buckets, the raw points drawn too).
+Held-out evals are grouped by their round (`metadata.eval_version`), never cut by a time bucket: one point per round, at the
+time its last group completed. Every mean is overflow-safe (`safe_avg`, `mean_std` of gateway/store/views.py): a
+store holding rewards of 1e155 or 1e308 still gives finite figures on SQLite and PostgreSQL.
 
 The three training-reward figures differ on purpose, and the page says which is which: `train_reward_by_version`
 is the mean over the sessions of the groups trained into a version (filtered and stale groups are not);
@@ -17,16 +17,17 @@ means of 3 steps).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, cast
 
-from sqlalchemy import Float, Integer, Table, and_, func, select
+from sqlalchemy import Float, Table, and_, func, select
 from sqlalchemy import cast as sql_cast
 
 from gateway.store.db import DbConnection
 from gateway.store.models import Batch, Group, Session, TrainedSample, TrainingStep, WeightState
 from gateway.store.store import Store
-from gateway.ui.queries import finite, mean_std, safe_avg
+from gateway.store.views import finished_by_clock, finite, mean_std, reward_by_clock, safe_avg
 
 G = cast(Table, Group.__table__)
 S = cast(Table, Session.__table__)
@@ -34,38 +35,8 @@ B = cast(Table, Batch.__table__)
 W = cast(Table, WeightState.__table__)
 TR = cast(Table, TrainedSample.__table__)
 TS = cast(Table, TrainingStep.__table__)
-BUCKETS = 60
 LEASES_SHOWN = 10
 """Leases listed on the overview (newest first); the rest page through GET /ui/api/leases."""
-
-
-async def _span(conn: DbConnection, column: Any, *where: Any) -> tuple[float, float] | None:
-    row: Any = (await conn.execute(select(func.min(column), func.max(column)).where(*where))).one()
-    lo, hi = row
-    return None if lo is None else (float(lo), float(hi))
-
-
-def _floor_bucket(column: Any, span: tuple[float, float], dialect: str) -> tuple[Any, float]:
-    """floor((t - t0) / width) as an integer on both stores (SQLite's CAST truncates, PostgreSQL's rounds)."""
-    width = max((span[1] - span[0]) / BUCKETS, 1.0)
-    x = (column - span[0]) / width
-    expr = sql_cast(x, Integer) if dialect == "sqlite" else sql_cast(func.floor(sql_cast(x, Float)), Integer)
-    return expr, width
-
-
-async def _reward_by_clock(conn: DbConnection, dialect: str) -> list[dict[str, Any]]:
-    """Training sessions' mean reward per wall-clock bucket of their group's completion."""
-    where = (G.c.is_eval.is_(False), G.c.completed_at.is_not(None), S.c.reward.is_not(None),
-             S.c.state == "finished")
-    span = await _span(conn, G.c.completed_at, G.c.is_eval.is_(False), G.c.completed_at.is_not(None))
-    if span is None:
-        return []
-    bucket, width = _floor_bucket(G.c.completed_at, span, dialect)
-    q = (select(bucket.label("b"), safe_avg(S.c.reward), func.count(), func.count(func.distinct(G.c.id)))
-         .select_from(G.join(S, S.c.group_id == G.c.id)).where(*where).group_by(bucket).order_by(bucket))
-    rows: list[Any] = list((await conn.execute(q)).all())
-    return [{"t": span[0] + (int(b) + 0.5) * width, "mean": finite(m), "sessions": int(n), "groups": int(g)}
-            for b, m, n, g in rows]
 
 
 def _round_of(meta: Any) -> int | None:
@@ -126,7 +97,6 @@ async def leases(conn: DbConnection, now: float, *, offset: int = 0, limit: int 
 
 async def overview(state: Any) -> dict[str, Any]:
     store: Store = state.store
-    dialect = store.engine.dialect.name
     now = time.time()
     async with store.engine.connect() as conn:
         published: list[Any] = list((await conn.execute(select(W.c.version, W.c.published_at).order_by(W.c.version))).all())
@@ -142,15 +112,9 @@ async def overview(state: Any) -> dict[str, Any]:
             .select_from(G.join(S, S.c.group_id == G.c.id))
             .where(and_(G.c.trained_version.is_not(None), G.c.is_eval.is_(False), S.c.reward.is_not(None)))
             .group_by(G.c.trained_version).order_by(G.c.trained_version))).all()]
-        train_clock = await _reward_by_clock(conn, dialect)
+        train_clock = [dataclasses.asdict(b) for b in await reward_by_clock(conn)]
         eval_rounds = await _eval_rounds(conn)
-        throughput: list[dict[str, Any]] = []
-        span = await _span(conn, S.c.ended_at, S.c.state == "finished")
-        if span is not None:
-            bucket, width = _floor_bucket(S.c.ended_at, span, dialect)
-            counted: list[Any] = list((await conn.execute(select(bucket, func.count()).where(S.c.state == "finished")
-                                                         .group_by(bucket).order_by(bucket))).all())
-            throughput = [{"t": span[0] + (int(b) + 0.5) * width, "per_s": int(n) / width} for b, n in counted]
+        throughput = [dataclasses.asdict(b) for b in await finished_by_clock(conn)]
         # Response length: the trained (loss) tokens per trained session, by the version it trained into.
         lengths = [{"version": int(v), "mean": finite(m), "sessions": int(n)} for v, m, n in (await conn.execute(
             select(TR.c.version, func.avg(sql_cast(TR.c.loss_tokens, Float)), func.count())

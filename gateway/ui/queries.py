@@ -10,17 +10,17 @@ stops as soon as a page is full). `benchmarks/viewer.py` measures every filter c
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from sqlalchemy import Select, Table, Text, and_, case, func, literal, or_, select, tuple_
+from sqlalchemy import Select, Table, Text, and_, func, literal, select, tuple_
 from sqlalchemy import cast as sql_cast
 
 from gateway.errors import BadRequest
 from gateway.store.db import DbEngine
 from gateway.store.models import Batch, Group, Session
+from gateway.store.views import in_version, mean_std, safe_avg
 
 G = cast(Table, Group.__table__)
 S = cast(Table, Session.__table__)
@@ -119,37 +119,13 @@ def escape_like(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
-REWARD_CLAMP = 1e300
-"""Rewards are clamped to +-this inside the viewer's SQL means: PostgreSQL's avg(float8) keeps a sum of squares
-(1e155 squared overflows: an error, not inf) and its sum(float8) errors past 1.8e308; a clamped value's sum
-stays finite for ~1e8 sessions. The REST API refuses such rewards today, but a store may already hold them."""
-
-
-def clamped(column: Any) -> Any:
-    return case((column > REWARD_CLAMP, REWARD_CLAMP), (column < -REWARD_CLAMP, -REWARD_CLAMP), else_=column)
-
-
-def safe_avg(column: Any) -> Any:
-    """avg(column) that never overflows on either store: sum of the clamped values over their count (NULL
-    when there are none), no sum of squares."""
-    return func.sum(clamped(column)) / func.nullif(func.count(column), 0)
-
-
-def finite(value: Any) -> float | None:
-    """A float from the database, None when absent or not finite (SQLite's sum gives inf past 1.8e308)."""
-    if value is None:
-        return None
-    x = float(value)
-    return x if math.isfinite(x) else None
-
-
 def mean_reward() -> Any:
     """A group's mean session reward (rewarded sessions only): read from ix_sessions_group_id_reward alone."""
     return select(safe_avg(S.c.reward)).where(and_(S.c.group_id == G.c.id, S.c.reward.is_not(None))) \
         .scalar_subquery()
 
 
-def _where(f: GroupFilter, dialect: str, mean: bool = True) -> list[Any]:
+def _where(f: GroupFilter, engine: DbEngine, mean: bool = True) -> list[Any]:
     """The filter's conditions on groups; the reward range (with `mean`) as the correlated aggregate, which a
     page that stops at its 50th match evaluates for few groups."""
     conds: list[Any] = []
@@ -162,10 +138,7 @@ def _where(f: GroupFilter, dialect: str, mean: bool = True) -> list[Any]:
     if f.text:
         conds.append(func.lower(sql_cast(G.c.task, Text)).like(f"%{escape_like(f.text.lower())}%", escape="\\"))
     if f.version is not None:
-        meta = G.c["metadata"]
-        eval_version = (func.json_extract(meta, "$.eval_version") == f.version if dialect == "sqlite"
-                        else meta.op("->>")(literal("eval_version")) == str(f.version))
-        conds.append(or_(G.c.trained_version == f.version, and_(G.c.is_eval.is_(True), eval_version)))
+        conds.append(in_version(engine, f.version))
     if mean and (f.reward_min is not None or f.reward_max is not None):
         avg = mean_reward()  # one reference: each reference is one more evaluation per group (0.14 -> 0.05 s)
         if f.reward_min is not None and f.reward_max is not None:
@@ -189,7 +162,7 @@ async def list_groups(engine: DbEngine, f: GroupFilter, *, limit: int = 50, afte
     if sum(x is not None and x is not False for x in (after, before, last or None)) > 1:
         raise BadRequest("give at most one of after, before and last", param="after")
     key = tuple_(G.c.created_at, G.c.id)
-    q: Select[Any] = select(*COLUMNS).where(*_where(f, engine.dialect.name))
+    q: Select[Any] = select(*COLUMNS).where(*_where(f, engine))
     backwards = False
     if after:
         c = Cursor.decode(after, "after")
@@ -230,35 +203,6 @@ async def list_groups(engine: DbEngine, f: GroupFilter, *, limit: int = 50, afte
     return page
 
 
-def mean_std(values: list[float]) -> tuple[float, float] | None:
-    """Population mean and standard deviation of floats, finite for any finite input (1e155 squared, or 1e308
-    + 1e308, would overflow): the mean from an exact sum (`fsum`), else from the values divided by the largest
-    magnitude; the spread from the deviations (halved where a deviation overflows), scaled by the largest one.
-    None for no value; non-finite values are left out."""
-    xs = [x for x in values if math.isfinite(x)]
-    if not xs:
-        return None
-    n = len(xs)
-    try:
-        total = math.fsum(xs)
-    except OverflowError:
-        total = math.inf
-    if math.isfinite(total):
-        mean = total / n
-    else:
-        scale = max(abs(x) for x in xs)
-        mean = math.fsum(x / scale for x in xs) / n * scale
-    devs = [x - mean for x in xs]
-    half = not all(math.isfinite(d) for d in devs)
-    if half:
-        devs = [x / 2 - mean / 2 for x in xs]
-    top = max(abs(d) for d in devs)
-    if top == 0.0:
-        return mean, 0.0
-    std = math.sqrt(math.fsum((d / top) ** 2 for d in devs) / n) * top
-    return mean, min(std * 2 if half else std, sys.float_info.max)
-
-
 async def mark_lapsed(conn: Any, groups: list[dict[str, Any]]) -> None:
     """`lease` on each leased group: "held" while its batch's lease runs, "lapsed" once it expired or closed
     (the trainer is gone or late; the gateway returns the group to the queue at the next lease, a viewer never
@@ -293,7 +237,7 @@ async def count_groups(engine: DbEngine, f: GroupFilter) -> int:
     from one grouped pass over ix_sessions_group_id_reward, checked as a hashed set (`IN (...) IS TRUE` keeps
     PostgreSQL from turning it into a join it misplans: the correlated aggregate took 0.9 s there, a join
     after a misestimated task filter 2.3 s, this 0.08 s)."""
-    conds = _where(f, engine.dialect.name, mean=False)
+    conds = _where(f, engine, mean=False)
     if f.reward_min is not None or f.reward_max is not None:
         lo = f.reward_min if f.reward_min is not None else -math.inf
         hi = f.reward_max if f.reward_max is not None else math.inf

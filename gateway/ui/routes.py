@@ -9,9 +9,8 @@ import json
 import math
 import time
 import urllib.parse
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import jinja2
 from fastapi import APIRouter, Request
@@ -22,9 +21,9 @@ import gateway.ui.queries as queries
 from gateway.errors import BadRequest, GatewayError, NotFound
 from gateway.records import session_record
 from gateway.routes.common import json_response
-from gateway.store.db import InLoopEngine
 from gateway.store.store import Store
-from gateway.ui.conversation import light_turns, token_turns, turn_views
+from gateway.store.views import light_turns, off_loop
+from gateway.ui.conversation import token_turns, turn_views
 from gateway.ui.tokens import (
     MAX_PAGE_TOKENS,
     PAGE_TOKENS,
@@ -37,7 +36,6 @@ from gateway.ui.tokens import (
 )
 from gateway.viewer_auth import UiCaller, UiSignInRequired, ui_caller
 
-T = TypeVar("T")
 HERE = Path(__file__).parent
 STATIC_VERSION = str(max(int(p.stat().st_mtime) for p in (HERE / "static").iterdir()))
 HEADERS = {
@@ -142,12 +140,11 @@ async def _build(request: Request, session_id: str, session: dict[str, Any], key
     cache = _chain_cache(request)
     try:
         store: Store = request.app.state.store
-        rows = await off_loop(store, lambda: token_turns(store.engine, session_id))  # ~10 MB for 200 turns
-        gamma = float(getattr(getattr(request.app.state, "settings", None), "gamma", 1.0))
+        rows = await off_loop(store.engine, lambda: token_turns(store.engine, session_id))  # ~10 MB for 200 turns
         # A walk over the turns, not the tokens (~10 ms for 200 turns of 4k tokens); off the loop all the same,
         # for the drift report's compare of a broken chain against the earlier ones.
         group = await store.group(session["group_id"])
-        chains = await asyncio.to_thread(build_chains, rows, session.get("reward"), gamma, bool(group.get("is_eval")))
+        chains = await asyncio.to_thread(build_chains, rows, bool(group.get("is_eval")))
         hit = (chains, [r.id for r in rows])
         cache.put(key, hit)
         return hit
@@ -294,18 +291,8 @@ async def overview_json(request: Request) -> Response:
     state = request.app.state
     cached: tuple[float, dict[str, Any]] | None = getattr(state, "ui_overview", None)
     if cached is None or time.monotonic() - cached[0] > OVERVIEW_TTL_S:
-        cached = state.ui_overview = (time.monotonic(), await off_loop(state.store, lambda: overview_data.overview(state)))
+        cached = state.ui_overview = (time.monotonic(), await off_loop(state.store.engine, lambda: overview_data.overview(state)))
     return _json(cached[1])
-
-
-async def off_loop(store: Store, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run a read-only store coroutine off the event loop when the store is SQLite. Its driver runs on the
-    loop's thread (gateway/store/db.py), so the overview's aggregates over 100k sessions (~1 s) would stall
-    every chat call meanwhile; in a thread, sqlite3 releases the GIL while it reads (WAL: never blocking a
-    writer). PostgreSQL's driver is already asynchronous."""
-    if isinstance(store.engine, InLoopEngine):
-        return await asyncio.to_thread(asyncio.run, work())
-    return await work()
 
 
 @router.get("/ui/api/leases")

@@ -161,7 +161,7 @@ def _drift(row: TurnRow, rows: list[TurnRow], by_id: dict[str, TurnRow]) -> dict
 _PROBE_PROMPT, _PROBE_LOGPROBS = pack([-1], "int32"), pack([0.0], "float32")
 
 
-def _learned(rows: list[TurnRow], session_reward: float | None, gamma: float) -> dict[tuple[str, str], bool]:
+def _learned(rows: list[TurnRow]) -> dict[tuple[str, str], bool]:
     """{(leaf id, turn id): whether samples.py trains that turn's reply in that leaf's sequence}.
 
     `session_sequences` run over the same turns with a prompt delta of one token and a reply of one token, the
@@ -172,7 +172,7 @@ def _learned(rows: list[TurnRow], session_reward: float | None, gamma: float) ->
                                  logprobs=_PROBE_LOGPROBS, versions=pack([0], "int32"))
              for i, r in enumerate(rows)]
     out: dict[tuple[str, str], bool] = {}
-    for seq in session_sequences(probe, session_reward, gamma):
+    for seq in session_sequences(probe):
         turns = seq.token_ids[1::2]
         leaf = rows[turns[-1]].id
         for index, m in zip(turns, seq.loss_mask[1::2], strict=True):
@@ -180,13 +180,12 @@ def _learned(rows: list[TurnRow], session_reward: float | None, gamma: float) ->
     return out
 
 
-def build_chains(rows: list[TurnRow], session_reward: float | None, gamma: float,
-                 is_eval: bool = False) -> list[Chain]:
+def build_chains(rows: list[TurnRow], is_eval: bool = False) -> list[Chain]:
     """Every chain of a session (leaves of its turn tree, in the order samples.py takes them). An eval
     session's chains train nothing (a lease never hands out eval groups): their masks are 0."""
     by_id = {r.id: r for r in rows}
     extended = {r.parent_id for r in rows if r.parent_id}
-    learned = {} if is_eval else _learned(rows, session_reward, gamma)
+    learned = {} if is_eval else _learned(rows)
     marks: dict[str, list[tuple[int, int, int]]] = {}  # per turn: (index in its reply, from, to)
     out: list[Chain] = []
     for leaf in (r for r in rows if r.id not in extended):

@@ -371,3 +371,115 @@ def test_metrics_report_eval_reward_and_pass_at_k_per_version(gateway: LiveGatew
     assert 'rollway_turns_total{continuity="new-chain"}' in text  # the per-process counters are there too
     assert 'rollway_requests_total{route="/v1/sessions/{session_id}/reward",status="200"}' in text
     assert 'rollway_request_seconds_count{route="/v1/chat/completions"}' in text
+
+
+def test_a_group_with_no_turns_is_dropped_not_left_leased(gateway: LiveGateway) -> None:
+    """Sessions finished and rewarded without a single turn give nothing to train: the lease closes the group
+    (`no_samples`), where it used to hand it out and leave it `leased` until some trainer acked it."""
+    drain(gateway)
+    empty = gateway.group(2)
+    for s in empty["sessions"]:
+        play(gateway, s, 1.0, turns=0)
+    full = gateway.group(2)
+    for s, r in zip(full["sessions"], (1.0, 0.0), strict=True):
+        play(gateway, s, r)
+    assert state(gateway, empty["group_id"]) == "complete"
+    for lease_format in (1, 2):
+        batch = lease(gateway, lease_format=lease_format)
+        assert [g["group_id"] for g in batch["groups"]] == [full["group_id"]]
+        got = gateway.admin.get(f"/v1/groups/{empty['group_id']}").json()
+        assert got["state"] == "dropped" and got["drop_reason"] == "no_samples"
+        assert gateway.admin.post(f"/v1/batches/{batch['batch_id']}/ack", json={}).status_code == 200
+        empty, full = gateway.group(2), gateway.group(2)
+        for s in empty["sessions"]:
+            play(gateway, s, 0.5, turns=0)
+        for s, r in zip(full["sessions"], (1.0, 0.0), strict=True):
+            play(gateway, s, r)
+    drain(gateway)
+    # A lease of nothing but such groups closes its batch too: nothing stays leased.
+    only = gateway.group(2)
+    for s in only["sessions"]:
+        play(gateway, s, 1.0, turns=0)
+    batch = lease(gateway)
+    assert batch["batch_id"] is None and batch["groups"] == []
+    assert state(gateway, only["group_id"]) == "dropped"
+
+
+def test_lease_formats_give_the_same_returns(gateway: LiveGateway) -> None:
+    """Format 2 (turns, per-turn rewards) and format 1 (the gateway's per-token returns) of the same recorded
+    sessions: the trainer's returns from format 2 equal format 1's, and so do a GRPO step's advantages, for
+    session rewards and for per-turn rewards with gamma 1."""
+    from trainer.advantages import chain_returns, score_group
+    from trainer.client import parse_group
+
+    drain(gateway)
+    g = gateway.group(3)
+    a, b, c = g["sessions"]
+    play(gateway, a, 0.7, turns=2)
+    play(gateway, b, 0.1, turns=1)
+    ids = play(gateway, c, None, turns=3)
+    body = {"reward": 0.3, "turn_rewards": [{"turn_id": ids[0], "reward": 0.25}, {"turn_id": ids[2], "reward": 1.5}],
+            "finish": True}
+    assert gateway.admin.post(f"/v1/sessions/{c['session_id']}/reward", json=body).status_code == 200
+    one = lease(gateway, lease_seconds=0.5)
+    assert "lease_format" not in one and all("returns" in s for s in one["groups"][0]["samples"])
+    time.sleep(0.6)  # the lease lapses: the same group again, in format 2
+    two = lease(gateway, lease_format=2)
+    assert two["lease_format"] == 2 and "gamma" not in two  # this gateway's gamma is not set
+    (g1,), (g2,) = one["groups"], two["groups"]
+    assert g1["group_id"] == g2["group_id"] == g["group_id"]
+    for s in g2["samples"]:
+        assert "returns" not in s and len(s["turn_rewards"]) == len(decode_array(s["turn_ends"]))
+    p1, p2 = parse_group(g1), parse_group(g2)
+    assert [s.session_id for s in p1.samples] == [s.session_id for s in p2.samples]
+    turn_rewarded = [s for s in p2.samples if s.session_id == c["session_id"]]
+    assert turn_rewarded and turn_rewarded[0].turn_rewards == [0.25, None, 1.5]
+    for s1, s2 in zip(p1.samples, p2.samples, strict=True):
+        assert s1.returns == chain_returns(s2, 1.0)
+    for std_norm in (False, True):
+        assert score_group(p1, std_norm).advantages == score_group(p2, std_norm, 1.0).advantages
+    # The trainer's own gamma: per-turn rewards discounted backwards (1.5; 0 + 0.5 * 1.5; 0.25 + 0.5 * 0.75).
+    rets = chain_returns(turn_rewarded[0], 0.5)
+    mask = turn_rewarded[0].loss_mask
+    assert sorted({r for r, m in zip(rets, mask, strict=True) if m}) == [0.375 + 0.25, 0.75, 1.5]
+    assert gateway.admin.post(f"/v1/batches/{two['batch_id']}/ack", json={}).status_code == 200
+
+
+def test_an_unknown_lease_format_is_a_clear_400(gateway: LiveGateway) -> None:
+    r = gateway.admin.post("/v1/batches", json={"lease_format": 3})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "lease_format" in err["message"] and "1, 2" in err["message"]
+
+
+def test_the_deprecated_gateway_gamma_keeps_its_meaning(fake: Any, tiny_model_dir: Any, db_url: str,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """ROLLWAY_GAMMA set on the gateway: a warning at start; format 1's returns are discounted with it as before,
+    and format 2's lease carries it, so a trainer without its own gamma computes the same returns."""
+    from trainer.advantages import chain_returns
+    from trainer.client import Lease, parse_group
+    from trainer.config import TrainConfig
+    from trainer.train import lease_gamma
+
+    with caplog.at_level("WARNING", logger="rollway.gateway"), \
+            LiveGateway(backends=[fake.url], tokenizer=str(tiny_model_dir), db=db_url, gamma=0.5) as gw:
+        assert any("gamma" in r.getMessage() and "deprecated" in r.getMessage() for r in caplog.records)
+        drain(gw)
+        g = gw.group(2)
+        a, b = g["sessions"]
+        ids = play(gw, a, None, turns=2)
+        body = {"reward": 1.0, "turn_rewards": [{"turn_id": ids[1], "reward": 1.0}], "finish": True}
+        assert gw.admin.post(f"/v1/sessions/{a['session_id']}/reward", json=body).status_code == 200
+        play(gw, b, 0.0)
+        one = lease(gw, lease_seconds=0.5)
+        time.sleep(0.6)
+        two = lease(gw, lease_format=2)
+        assert two["gamma"] == 0.5
+        p1, p2 = parse_group(one["groups"][0]), parse_group(two["groups"][0])
+        gamma = lease_gamma(TrainConfig(), Lease(two["batch_id"], 0, [p2], 0, 2, two["gamma"]))
+        assert gamma == 0.5
+        (s1,) = [s for s in p1.samples if s.session_id == a["session_id"]]
+        (s2,) = [s for s in p2.samples if s.session_id == a["session_id"]]
+        assert sorted({r for r, m in zip(s1.returns or [], s1.loss_mask, strict=True) if m}) == [0.5, 1.0]
+        assert chain_returns(s2, gamma) == s1.returns
+        assert gw.admin.post(f"/v1/batches/{two['batch_id']}/ack", json={}).status_code == 200

@@ -124,6 +124,36 @@ def test_turn_survives_kill_9(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert rows == [(r.json()["id"], "length")]
 
 
+def test_an_idle_client_connection_outlives_the_sdks_keep_alive(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`rollway serve` keeps an idle connection longer than the SDKs keep theirs (httpx: 5 s), so the client is
+    the side that drops it: a request sent on a 6 s idle connection is answered on that same connection."""
+    import http.client
+
+    port = free_port()
+    with FakeSGLang() as fake:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollway.cli", "serve", "--backend", fake.url, "--tokenizer", str(tiny_model_dir),
+             "--db", f"sqlite:///{tmp_path / 'ka.db'}", "--port", str(port), "--data-dir", str(tmp_path)],
+            env={**os.environ, "ROLLWAY_ADMIN_KEY": ADMIN_KEY}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=120)
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/health")
+            first = conn.getresponse()
+            first.read()
+            local = conn.sock.getsockname()
+            time.sleep(6.0)
+            conn.request("GET", "/health")  # raises if the server closed the idle connection
+            second = conn.getresponse()
+            second.read()
+            assert (first.status, second.status) == (200, 200)
+            assert conn.sock.getsockname() == local  # the same connection, not a silent reconnect
+            conn.close()
+        finally:
+            proc.terminate()
+            proc.wait(15)
+
 def test_staleness_admission(tiny_model_dir: Path, tmp_path: Path) -> None:
     from gateway.store.db import upgrade
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import NotFound
+from gateway.samples import LeaseSamples
 from gateway.store.db import create_engine
 from gateway.store.store import Store
 from gateway.wire import pack
@@ -148,9 +149,10 @@ async def _reward_scenarios(store: Store) -> list[Any]:
     _, c = await store.create_group("one", 1, sampling={})
     await call(c[0][0], 0.5, True)
     _, d = await store.create_group("after the lease", 2, sampling={})
-    for sid, _ in d:
+    for sid, _ in d:  # a turn each: a group with nothing to train is dropped by the lease, not leased
+        await store.insert_turn(sid, {**turn_values(f"t-{sid}"), "client_disconnected": False})
         await call(sid, 1.0, True)
-    leases = Leases(store, 1.0)
+    leases = Leases(store, LeaseSamples(1.0))
     await leases.lease(LeaseRequest(64, 60, None, None, None))
     await call(d[0][0], 1.0, True)  # the same reward again: fine
     await call(d[0][0], 0.0, True)  # another one: final
@@ -181,7 +183,9 @@ async def test_a_session_reward_does_on_the_direct_path_what_sqlalchemy_does(db_
             store.direct = saved
         assert direct == core
         assert direct[:4] == ["finished", "active", "finished", "finished"]
-        assert direct[-5][0] == "leased" and direct[-4][:2] == ("dropped", "too_few_sessions")  # complete: leased
+        # complete without a turn: dropped by the lease (no_samples); d, complete with turns: leased
+        assert direct[-5][:2] == ("dropped", "no_samples") and direct[-4][:2] == ("dropped", "too_few_sessions")
+        assert direct[-2][0] == "leased"
         assert ("Conflict", "group of session SID was already leased; reward is final") in direct
     finally:
         await store.close()
@@ -211,7 +215,7 @@ async def test_admission_reads_what_the_core_path_reads(db_url: str) -> None:
 
     store = Store(create_engine(db_url))
     await store.open()
-    leases = Leases(store, gamma=1.0)
+    leases = Leases(store, LeaseSamples(1.0))
 
     async def both(default_b: int = 4, default_eta: int = 1) -> tuple[bool, int, int]:
         direct_answer = await leases.admission(default_b, default_eta)
@@ -258,7 +262,7 @@ async def test_the_admission_count_follows_every_change_of_groups(db_url: str) -
 
     store = Store(create_engine(db_url))
     await store.open()
-    leases = Leases(store, gamma=1.0)
+    leases = Leases(store, LeaseSamples(1.0))
     await leases.remember_params(LeaseRequest(max_groups=1, lease_seconds=1.0, groups_per_step=4,
                                                max_head_offpolicyness=1, trainer_version=None))
 

@@ -25,7 +25,7 @@ ROWS = [turn("a", None, [1, 2], [10, 11], constrained=False), turn("b", "a", [3]
 
 
 def test_a_constrained_turn_is_out_of_the_loss() -> None:
-    (seq,) = session_sequences(ROWS, 1.0, 1.0)
+    (seq,) = session_sequences(ROWS)
     assert seq.token_ids == [1, 2, 10, 11, 3, 20, 21, 22]
     assert seq.loss_mask == [0, 0, 1, 1, 0, 0, 0, 0]
     assert seq.versions == [-1, -1, 3, 3, -1, -1, -1, -1]
@@ -33,13 +33,13 @@ def test_a_constrained_turn_is_out_of_the_loss() -> None:
 
 
 def test_train_constrained_puts_it_back() -> None:
-    (seq,) = session_sequences(ROWS, 1.0, 1.0, train_constrained=True)
+    (seq,) = session_sequences(ROWS, train_constrained=True)
     assert seq.loss_mask == [0, 0, 1, 1, 0, 1, 1, 1]
-    assert seq.logprobs[5:] == [-0.5, -0.5, -0.5] and seq.returns[5:] == [1.0, 1.0, 1.0]
+    assert seq.logprobs[5:] == [-0.5, -0.5, -0.5] and seq.returns(1.0, 1.0)[5:] == [1.0, 1.0, 1.0]
 
 
 def test_a_session_of_constrained_turns_only_gives_no_sample() -> None:
-    assert session_sequences([turn("c", None, [1], [5], constrained=True)], 1.0, 1.0) == []
+    assert session_sequences([turn("c", None, [1], [5], constrained=True)]) == []
 
 
 def test_migration_0002_matches_the_model(db_url: str) -> None:

@@ -38,8 +38,7 @@ def test_mask_is_session_sequences(vocab: int) -> None:
     rng = random.Random(vocab)
     for _ in range(300):
         rows = _tree(rng, vocab, 6)
-        reward = rng.choice([None, 0.5])
-        chains = build_chains(rows, reward, 0.9)
+        chains = build_chains(rows)
         trained = []
         for c in chains:
             ids, lps, versions, mask = c.window(0, c.total)
@@ -50,13 +49,13 @@ def test_mask_is_session_sequences(vocab: int) -> None:
                 reply = slice(sp.completion_start, sp.end)
                 assert np.array_equal(versions[reply], np.frombuffer(sp.row.versions, "<i4"))
                 assert np.isnan(lps[sp.start:sp.completion_start]).all()
-        assert trained == [(s.token_ids, s.loss_mask) for s in session_sequences(rows, reward, 0.9)]
+        assert trained == [(s.token_ids, s.loss_mask) for s in session_sequences(rows)]
 
 
 def test_pages_slice_the_chain_and_mark_versions() -> None:
     rows = _tree(random.Random(7), 10**6, 40)
     text = TokenText(None)
-    for c in build_chains(rows, 1.0, 1.0):
+    for c in build_chains(rows):
         ids, lps, versions, mask = c.window(0, c.total)
         for offset, limit in ((0, 5), (3, 17), (c.total // 2, 8192), (c.total, 4)):
             p = page(c, text, offset, limit)
