@@ -49,9 +49,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_procs import Procs  # noqa: E402
-from benchmarks.trainer import make_model  # noqa: E402
-from rollway import paths  # noqa: E402
+from benchmarks.trainer_models import make_model  # noqa: E402
 from rollway.embedded import free_port, wait_healthy  # noqa: E402
+from rollway_common import paths  # noqa: E402
 from trainer import checkpoint  # noqa: E402
 from trainer.client import GatewayClient  # noqa: E402
 from trainer.weight_sync import SyncOptions, SyncPayload  # noqa: E402

@@ -20,14 +20,22 @@ longest prefix with the request (the latest on ties):
     removed_message   the request left out messages that turn had (it skips ahead to a later one)
     retried           the request is (a prefix of) that turn's messages with nothing new: a retry
     no_prefix         no turn shares even the first message with the request
+
+Finding the parent costs one digest per message of the request (`ParentIndex`): each candidate is indexed by
+the chain digest of its canonical messages (with its tools and chat_template_kwargs), and the request's chain
+digests are looked up from the longest prefix down. Only when no candidate is a prefix are the candidates
+compared message by message (`choose_parent`), for the reason of the best near miss.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+import orjson
 
 Reason = str
 
@@ -118,6 +126,10 @@ class Candidate:
     """The chat_template_kwargs the turn was rendered with (defaults included)."""
     _canon: tuple[CanonicalMessage, ...] | None = field(default=None, init=False, repr=False)
     _tools: str | None = field(default=None, init=False, repr=False)
+    prefix_digest: bytes | None = field(default=None, repr=False)
+    """The chain digest of `messages[:-1]` when the caller has it (the request's, computed to find its parent):
+    the candidate's own digest then costs one step."""
+    _digest: bytes | None = field(default=None, init=False, repr=False)
 
     def canonical(self) -> tuple[CanonicalMessage, ...]:
         """Computed once per candidate; the session cache keeps candidates across calls."""
@@ -129,6 +141,114 @@ class Candidate:
         if self._tools is None:
             self._tools = canonical_tools(self.tools) + "\0" + _canonical_json(self.template_kwargs or {})
         return self._tools
+
+    def key(self) -> bytes:
+        """What `ParentIndex` finds the candidate by: its tools and kwargs, and the chain digest of its messages."""
+        if self._digest is None:
+            if self.prefix_digest is not None and self.messages:
+                self._digest = chain_step(self.prefix_digest, message_digest(self.messages[-1]))
+            else:
+                self._digest = chain_digests(message_digest(m) for m in self.messages)[-1]
+        return tools_digest(self.canonical_tools()) + self._digest
+
+
+DIGEST_SIZE = 16
+EMPTY_CHAIN = b"\0" * DIGEST_SIZE
+"""The chain digest of no messages."""
+
+
+def message_digest(msg: Any) -> bytes:
+    """BLAKE2b of a message's canonical form as JSON (content text and content-part tuples serialise
+    differently, so they never collide)."""
+    return hashlib.blake2b(orjson.dumps(tuple(canonical_message(msg))), digest_size=DIGEST_SIZE).digest()
+
+
+def chain_step(previous: bytes, message: bytes) -> bytes:
+    """The chain digest of `previous`'s conversation followed by the message of digest `message`."""
+    return hashlib.blake2b(previous + message, digest_size=DIGEST_SIZE).digest()
+
+
+def chain_digests(message_digests: Any) -> list[bytes]:
+    """[digest of no messages, of the first, of the first two, ...] over message digests."""
+    out = [EMPTY_CHAIN]
+    for m in message_digests:
+        out.append(chain_step(out[-1], m))
+    return out
+
+
+def tools_digest(canonical_tools_and_kwargs: str) -> bytes:
+    return hashlib.blake2b(canonical_tools_and_kwargs.encode(), digest_size=DIGEST_SIZE).digest()
+
+
+RAW_CACHE_BYTES = 64 << 20
+"""The most JSON `ParentIndex` keeps to know messages it has seen (then it starts over)."""
+
+
+class ParentIndex:
+    """A session's candidates by `Candidate.key`, the latest kept for each key (so the latest wins ties, as in
+    `choose_parent`), and the digests of the messages its requests sent, by their exact JSON: a message sent
+    again as it was is not put in canonical form again. Memory: one entry per turn, and the JSON of each
+    distinct message once (at most RAW_CACHE_BYTES)."""
+
+    __slots__ = ("_by_key", "_raw", "_raw_bytes")
+
+    def __init__(self) -> None:
+        self._by_key: dict[bytes, Candidate] = {}
+        self._raw: dict[bytes, bytes] = {}
+        self._raw_bytes = 0
+
+    def digests(self, messages: Sequence[Any]) -> list[bytes]:
+        """The chain digests of `messages` (`chain_digests`), each message's digest from the cache when its
+        exact JSON was seen before."""
+        raw = self._raw
+        out = [EMPTY_CHAIN]
+        for m in messages:
+            key = None
+            if isinstance(m, dict):
+                try:
+                    key = orjson.dumps(m)
+                except (TypeError, orjson.JSONEncodeError):
+                    key = None
+            digest = raw.get(key) if key is not None else None
+            if digest is None:
+                digest = message_digest(m)
+                if key is not None:
+                    if self._raw_bytes + len(key) > RAW_CACHE_BYTES:
+                        raw.clear()
+                        self._raw_bytes = 0
+                    raw[key] = digest
+                    self._raw_bytes += len(key)
+            out.append(chain_step(out[-1], digest))
+        return out
+
+    def add(self, cand: Candidate) -> None:
+        key = cand.key()
+        old = self._by_key.get(key)
+        if old is None or cand.created_order >= old.created_order:
+            self._by_key[key] = cand
+
+    def find(
+        self, candidates: Sequence[Candidate], new_messages: Sequence[Any], tools: Sequence[Any] | None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[ParentChoice, Candidate | None, bytes]:
+        """`choose_parent`'s answer, the parent candidate, and the chain digest of all of `new_messages`.
+
+        One canonical form and one digest per request message, one dict lookup per prefix length; when no
+        candidate is a prefix, `choose_parent` (comparing message by message) tells the reason."""
+        chain = self.digests(new_messages)
+        if not candidates:
+            return ParentChoice(None, "first_turn"), None, chain[-1]
+        prefix = tools_digest(canonical_tools(tools) + "\0" + _canonical_json(template_kwargs or {}))
+        by_key = self._by_key
+        for k in range(len(chain) - 2, 0, -1):  # strict prefixes, longest first
+            cand = by_key.get(prefix + chain[k])
+            if cand is not None:
+                return ParentChoice(cand.turn_id, None), cand, chain[-1]
+        choice = choose_parent(candidates, new_messages, tools, template_kwargs)
+        found = None  # a candidate the index missed would be a bug; its answer is still choose_parent's
+        if choice.parent_turn_id is not None:
+            found = next(c for c in candidates if c.turn_id == choice.parent_turn_id)
+        return choice, found, chain[-1]
 
 
 @dataclass(frozen=True, slots=True)

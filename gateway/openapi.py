@@ -68,7 +68,7 @@ def _operations() -> dict[tuple[str, str], Operation]:
     from gateway.routes.training import AckBody, LeaseBody, PublishBody, RenewBody
     from gateway.routes.training_reports import TrainingStepBody
     from gateway.routes.viewer_keys import CreateViewerKey
-    from gateway.weight_sync import SyncBody, SyncInitBody
+    from gateway.routes.weight_sync import SyncBody, SyncInitBody
 
     sessions_query = (
         Query("state", {"type": "string", "enum": ["active", "finished", "abandoned"]}, "only sessions in this state"),
@@ -147,7 +147,7 @@ def _operations() -> dict[tuple[str, str], Operation]:
             op.summary + "; the session by the id in the path (no key)", "session_path", op.ok,
             (404, *op.errors), op.body)
     # Anthropic's Messages API (errors in Anthropic's shape: a 503 is its 529 overloaded_error).
-    from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
+    from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 
     anthropic = {
         ("POST", "/v1/messages"): Operation("Anthropic Messages API (recorded)", "session", 200,

@@ -2,53 +2,121 @@
 
 A session's `turn_count` (read with its auth row on every call) tells whether the cached view is
 current; another gateway process that stored a turn makes it stale, and it is reloaded from the store.
+
+Memory per session is linear in the session (docs/architecture.md "Continuity and chains"): each turn's own
+token ids (its prompt delta and completion, 4 bytes an id; a turn's full ids are put together from its chain
+when it is extended), each distinct message object once (a request's messages that are byte for byte its
+parent's are the parent's objects, `share_messages`), a list of message references per turn (8 bytes a
+message), one index entry per turn, and the rendered prompt text of the latest `PROMPT_TEXTS_KEPT` turns only.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import chain as concat
+from typing import Any
 
-from gateway.continuity import Candidate
+import orjson
+
+from gateway.continuity import Candidate, ParentIndex
 from gateway.store.store import Store, TurnRow
-from gateway.wire import unpack
+from rollway_common.wire import unpack
+
+PROMPT_TEXTS_KEPT = 2
+"""Rendered prompts kept per session (a turn extending one of these renders one template less; one extending an
+older turn renders its parent's prompt again)."""
+
+
+def share_messages(messages: list[dict[str, Any]], parent: list[dict[str, Any]]) -> None:
+    """Replace, in place, each leading message of `messages` that serialises byte for byte like `parent`'s
+    message at its index by that object: the session's view then holds each message once, not once per turn.
+    Stops at the first that differs."""
+    for i in range(min(len(messages), len(parent))):
+        a, b = messages[i], parent[i]
+        if a is b:
+            continue
+        try:
+            same = a == b and orjson.dumps(a) == orjson.dumps(b)  # == first: a quick no; bytes: key order too
+        except (TypeError, orjson.JSONEncodeError):
+            same = False
+        if not same:
+            return
+        messages[i] = b
 
 
 @dataclass(slots=True)
 class SessionView:
     turn_count: int
     candidates: list[Candidate] = field(default_factory=list)
-    # Token arrays are kept as tuples of ints: the collector stops tracking those, so its full collections
-    # need not walk millions of ids of cached sessions (measured: ~80 ms per full collection otherwise).
-    chains: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """turn id -> full ids (prompt + completion) of that turn."""
-    completions: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    prompt_texts: dict[str, str] = field(default_factory=dict)
-    """turn id -> its rendered prompt, for turns this process rendered (not kept in the store)."""
+    index: ParentIndex = field(default_factory=ParentIndex)
+    segments: dict[str, tuple[str | None, array[int], int]] = field(default_factory=dict)
+    """turn id -> (the turn whose full ids come first, or None; this turn's own ids: prompt delta + completion,
+    int32; its completion's length). Arrays, not lists of ints: 4 bytes an id, and nothing for the collector."""
+    lengths: dict[str, int] = field(default_factory=dict)
+    """turn id -> length of its full ids (prompt + completion)."""
+    recorded: int = 0
+    """Tokens the session recorded: the sum over its turns of prompt + completion."""
+    prompt_texts: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    """turn id -> its rendered prompt, for the latest turns this process rendered (not kept in the store)."""
+
+    def full_ids(self, turn_id: str) -> list[int]:
+        """The turn's prompt + completion ids."""
+        parts = []
+        at: str | None = turn_id
+        while at is not None:
+            at, own, _ = self.segments[at]
+            parts.append(own)
+        return list(concat.from_iterable(reversed(parts)))
+
+    def completion(self, turn_id: str) -> list[int]:
+        _, own, n = self.segments[turn_id]
+        return own[len(own) - n:].tolist() if n else []
+
+    def add_ids(self, turn_id: str, seq: int, parent_id: str | None, prompt_delta: list[int],
+                completion_ids: list[int]) -> None:
+        """A turn's ids; `prompt_delta` follows the parent's full ids (the whole prompt when `parent_id` is None)."""
+        own = array("i", prompt_delta)
+        own.extend(completion_ids)
+        self.segments[turn_id] = (parent_id, own, len(completion_ids))
+        full = len(own) + (self.lengths[parent_id] if parent_id is not None else 0)
+        self.lengths[turn_id] = full
+        self.recorded += full
+        self.turn_count = max(self.turn_count, seq)
 
     def add(self, turn_id: str, seq: int, messages: list[dict], reply: dict, tools: list | None,
-            prompt_ids: list[int], completion_ids: list[int], prompt_text: str | None = None,
-            template_kwargs: dict | None = None) -> None:
-        self.candidates.append(Candidate(turn_id, [*messages, reply], tools, seq, template_kwargs))
-        self.chains[turn_id] = (*prompt_ids, *completion_ids)
-        self.completions[turn_id] = tuple(completion_ids)
+            parent_id: str | None, prompt_delta: list[int], completion_ids: list[int],
+            prompt_text: str | None = None, template_kwargs: dict | None = None,
+            messages_digest: bytes | None = None) -> None:
+        """`messages_digest`: the chain digest of `messages` when the caller computed it (`ParentIndex.find`)."""
+        cand = Candidate(turn_id, [*messages, reply], tools, seq, template_kwargs, prefix_digest=messages_digest)
+        self.candidates.append(cand)
+        self.index.add(cand)
+        self.add_ids(turn_id, seq, parent_id, prompt_delta, completion_ids)
         if prompt_text is not None:
             self.prompt_texts[turn_id] = prompt_text
-        self.turn_count = max(self.turn_count, seq)
+            while len(self.prompt_texts) > PROMPT_TEXTS_KEPT:
+                self.prompt_texts.popitem(last=False)
 
 
 def view_from_rows(rows: list[TurnRow]) -> SessionView:
     view = SessionView(turn_count=0)
+    by_id: dict[str, Candidate] = {}
     for r in rows:
         delta: list[int] = unpack(r.prompt_ids, "int32")  # type: ignore[assignment]
         completion: list[int] = unpack(r.completion_ids, "int32")  # type: ignore[assignment]
-        prompt = [*view.chains[r.parent_id], *delta] if r.parent_id else delta
-        if r.reply and r.request.get("messages"):  # no reply (aborted early) or raw completion: no parent
-            view.add(r.id, r.seq, r.request.get("messages", []), r.reply, r.request.get("tools"), prompt, completion,
+        parent = r.parent_id or None
+        messages = r.request.get("messages")
+        if r.reply and messages:  # no reply (aborted early) or raw completion: no parent
+            before = by_id.get(parent) if parent is not None else None
+            if before is not None:
+                share_messages(messages, before.messages)
+            view.add(r.id, r.seq, messages, r.reply, r.request.get("tools"), parent, delta, completion,
                      template_kwargs=r.request.get("chat_template_kwargs"))
+            by_id[r.id] = view.candidates[-1]
         else:
-            view.chains[r.id] = (*prompt, *completion)
-            view.turn_count = max(view.turn_count, r.seq)
+            view.add_ids(r.id, r.seq, parent, delta, completion)
     return view
 
 
@@ -69,12 +137,14 @@ class SessionCache:
         return view
 
     def record(self, session_id: str, seq: int, turn_id: str, messages: list[dict], reply: dict,
-               tools: list | None, prompt_ids: list[int], completion_ids: list[int],
-               prompt_text: str | None = None, template_kwargs: dict | None = None) -> None:
+               tools: list | None, parent_id: str | None, prompt_delta: list[int], completion_ids: list[int],
+               prompt_text: str | None = None, template_kwargs: dict | None = None,
+               messages_digest: bytes | None = None) -> None:
         """Add a just-stored turn to a cached view that was current before it; else forget the view."""
         view = self._views.get(session_id)
         if view is not None and view.turn_count == seq - 1 and reply:
-            view.add(turn_id, seq, messages, reply, tools, prompt_ids, completion_ids, prompt_text, template_kwargs)
+            view.add(turn_id, seq, messages, reply, tools, parent_id, prompt_delta, completion_ids, prompt_text,
+                     template_kwargs, messages_digest)
         else:
             self.drop(session_id)
 

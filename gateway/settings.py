@@ -51,6 +51,10 @@ def backend_url(url: str) -> str:
         raise ValueError(f"backend URL {url!r}: port 0")
     return url
 
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "self"})
+"""Variables the gateway sets itself (and `self`, Jinja's own: `Template.render(self, ...)` took `{"self": 1}`
+as a second value of its first argument, a TypeError): chat_template_kwargs may not replace them."""
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ROLLWAY_", extra="forbid")
@@ -76,10 +80,10 @@ class Settings(BaseSettings):
     served_model_name: str = ""
     """Name in replies and /v1/models; empty = the tokenizer folder's name."""
     tool_parser: str = "auto"
-    """Tool-call format of the model: auto (told from the chat template; gateway.model_formats) | hermes |
-    qwen3_coder | llama3_json | mistral | deepseek | glm45 | kimi_k2 | harmony | granite | none."""
+    """Tool-call format of the model: auto (told from the chat template; gateway.model_formats), a format's name
+    (gateway.tool_formats; `rollway serve --help` lists them) or none."""
     reasoning_parser: str = "auto"
-    """Reasoning format: auto (from the chat template) | think | mistral | harmony | none."""
+    """Reasoning format: auto (from the chat template), a format's name (gateway.tool_formats) or none."""
     reasoning: bool = True
     """Split the reasoning (`<think>...</think>`, or the format's own markers) into `reasoning_content`."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -139,27 +143,29 @@ class Settings(BaseSettings):
     @field_validator("tool_parser")
     @classmethod
     def _known_tool_parser(cls, v: str) -> str:
-        from gateway.tool_parsers import TOOL_PARSERS
+        # The registry is light (no templating, no tokenizer): configuration stays a leaf.
+        from gateway.tool_formats import get_tool_format, tool_format_names
 
-        if v not in ("auto", "none", *TOOL_PARSERS):
-            raise ValueError(f"unknown tool parser {v!r}; known: auto, none, {', '.join(sorted(TOOL_PARSERS))}")
-        return v
+        if v in ("auto", "none"):
+            return v
+        try:
+            return get_tool_format(v).name  # an alias (SGLang's name for it) is the format's own name from here on
+        except ValueError:
+            raise ValueError(f"unknown tool parser {v!r}; known: auto, none, {', '.join(tool_format_names())}") from None
 
     @field_validator("reasoning_parser")
     @classmethod
     def _known_reasoning_parser(cls, v: str) -> str:
-        from gateway.tool_parsers import REASONING_PARSERS
+        from gateway.tool_formats import reasoning_format_names
 
-        if v not in ("auto", "none", *REASONING_PARSERS):
+        if v not in ("auto", "none", *reasoning_format_names()):
             raise ValueError(
-                f"unknown reasoning parser {v!r}; known: auto, none, {', '.join(sorted(REASONING_PARSERS))}")
+                f"unknown reasoning parser {v!r}; known: auto, none, {', '.join(reasoning_format_names())}")
         return v
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _no_reserved_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from gateway.templating import RESERVED_TEMPLATE_KWARGS
-
         if taken := sorted(RESERVED_TEMPLATE_KWARGS & v.keys()):
             raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the gateway sets them")
         return v

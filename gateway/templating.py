@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from gateway.continuity import drop_none
 from gateway.encoding import CachedEncoder
 from gateway.errors import BadRequest
 from gateway.model_formats import ModelFormats, detect
+from gateway.settings import RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
 from gateway.tool_parsers import (
     ParsedReply,
     ReasoningParser,
@@ -40,11 +41,6 @@ from gateway.tool_parsers import (
 # Tokens that end an assistant turn, by template family, in order of preference. GLM's turns end with the
 # next role's header (`<|user|>`, `<|observation|>`), which the model emits as its stop token.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|user|>")
-HARMONY_STOPS = ("<|return|>", "<|call|>")
-"""gpt-oss ends a reply with one of these; its `<|end|>` ends one message of a reply, not the reply."""
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "self"})
-"""Variables the gateway sets itself (and `self`, Jinja's own: `Template.render(self, ...)` took `{"self": 1}`
-as a second value of its first argument, a TypeError): chat_template_kwargs may not replace them."""
 
 Message = Mapping[str, Any]
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -197,8 +193,9 @@ class ChatTemplate:
         eos = list(generation_eos_ids) if generation_eos_ids is not None else _generation_eos_ids(tokenizer)
         self.stop_token_ids: list[int] = list(dict.fromkeys([*eos, self.end_of_turn_id]))
         """Model eos ids (generation_config) and the end-of-turn id, deduplicated, in that order."""
-        if self.formats.tool_parser == "harmony" and all(t in vocab for t in HARMONY_STOPS):
-            self.stop_token_ids = [vocab[t] for t in HARMONY_STOPS]
+        stops = self.tool_parser.stop_tokens if self.tool_parser is not None else ()
+        if stops and all(t in vocab for t in stops):  # gpt-oss: its `<|end|>` ends one message of a reply
+            self.stop_token_ids = [vocab[t] for t in stops]
         self._stop_set = frozenset(self.stop_token_ids)
         self._markers = tuple(self.decode([i]) for i in self.stop_token_ids)
         self._longest_marker = max(map(len, self._markers), default=1)
@@ -276,6 +273,7 @@ class ChatTemplate:
         *,
         parent_prompt: str | None = None,
         kwargs: Mapping[str, Any] | None = None,
+        check_new_chars: Callable[[int], None] | None = None,
     ) -> tuple[list[int], str] | None:
         """The ids to append to the parent's prompt + completion ids for `new_messages`, with the rendered
         text of the whole new prompt; None when the template is not prefix stable here (the caller starts
@@ -289,7 +287,9 @@ class ChatTemplate:
         emitted. A template that renders no end marker after the reply (GLM: the next role's header ends a
         turn, and the model emits that header as its stop token) extends when what it renders next starts
         with the stop token the model emitted; the chain holds it once. `kwargs`: the chat_template_kwargs
-        of parent and request (continuity extends only turns with the same ones).
+        of parent and request (continuity extends only turns with the same ones). `check_new_chars`: called,
+        before anything is tokenized, with how many characters the full rendering adds after the parent's
+        conversation (the text of the new messages, as the client sent it); it may raise to refuse the request.
         """
         if not prev_messages or not new_messages:
             raise ValueError("extension needs the parent's messages and at least one new message")
@@ -297,6 +297,9 @@ class ChatTemplate:
         hf_prev = hf_all[: len(prev_messages)]
         full = self._render(hf_all, hf_tools, True, hf_kwargs)
         prefix = self._render(hf_prev, hf_tools, False, hf_kwargs)
+        if check_new_chars is not None:
+            unmark = self._encoder.unmark if marked else str
+            check_new_chars(len(unmark(full)) - len(unmark(prefix)))
         if not full.startswith(prefix):
             return None
         # The reply's end-of-turn is the last stop marker inside the reply's own rendering: a template that
@@ -333,7 +336,7 @@ class ChatTemplate:
         `<｜Assistant｜><think>\n`, a thinking DeepSeek V3.1): the reply then starts inside it and only closes
         it. A prompt that opened and closed it (Qwen3 with enable_thinking false) did not."""
         rp = self.reasoning_parser
-        if rp is None or rp.name == "harmony" or not prompt_text:
+        if rp is None or rp.reply_parser is not None or not prompt_text:  # harmony's channels: no open block
             return False
         return prompt_text.rstrip().endswith(rp.open)
 
@@ -344,7 +347,7 @@ class ChatTemplate:
         offered, starting inside the reasoning when the prompt opened it. `reasoning=False` (the gateway's
         `reasoning` setting off) splits no reasoning off, harmony's channels excepted."""
         rp = self.reasoning_parser
-        if not reasoning and (rp is None or rp.name != "harmony"):
+        if not reasoning and (rp is None or rp.reply_parser is None):
             rp = None
         return reply_parser(self.tool_parser if tools else None, rp,
                             in_reasoning=rp is not None and self.opens_reasoning(prompt_text), tools=tools)

@@ -6,8 +6,8 @@ compiled by SGLang's grammar backend, xgrammar by default, and by the CPU engine
 docs/sglang-contract.md "Constrained decoding"): a sequence of tags, one per call, each the family's own
 markup around the tool's name, with the arguments held to the tool's JSON schema. So the reply is a tool call
 the gateway's parser reads back, whatever the weights, and the model writes it in the tokens its template
-taught it. Families whose format this does not express are refused with a 400 naming the family (FAMILIES
-lists those it does).
+taught it. Each format's record (gateway.tool_formats) holds its grammar shape; formats without one are
+refused with a 400 naming the format.
 
 A turn decoded under a grammar is recorded as constrained: its tokens are not samples of the policy the
 trainer recomputes, and they are kept out of the loss by default (gateway/samples.py).
@@ -16,11 +16,13 @@ trainer recomputes, and they are kept out of the loss by default (gateway/sample
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import BadRequest
+from gateway.tool_formats import FORMATS
+
+_TOOL_FORMATS = {f.name: f for f in FORMATS}
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 """A tool without `parameters` takes an empty object (as SGLang's own tool_choice constraint does)."""
@@ -74,46 +76,6 @@ def _function(tool: dict[str, Any]) -> dict[str, Any]:
     return fn if isinstance(fn, dict) else {}
 
 
-# --- the families ---------------------------------------------------------------------------------
-
-
-def _hermes(name: str, params: dict[str, Any]) -> dict[str, Any]:
-    # As Qwen2.5/Qwen3/Hermes templates write a call: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
-    return _tag(f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ', params,
-                "}\n</tool_call>")
-
-
-def _llama3_json(name: str, params: dict[str, Any]) -> dict[str, Any]:
-    # Llama 3.1/3.2/3.3's JSON tool call: the whole reply {"name": ..., "parameters": {...}}
-    return _tag(f'{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": ', params, "}")
-
-
-def _granite(name: str, params: dict[str, Any]) -> dict[str, Any]:
-    return _tag(f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ', params, "}")
-
-
-def _tag(begin: str, params: dict[str, Any], end: str) -> dict[str, Any]:
-    return {"type": "tag", "begin": begin, "content": {"type": "json_schema", "json_schema": params}, "end": end}
-
-
-@dataclass(frozen=True, slots=True)
-class Family:
-    call: Callable[[str, dict[str, Any]], dict[str, Any]]
-    separator: str
-    """Between two calls, as the family's template writes them."""
-    before: str = ""
-    after: str = ""
-    """Around the whole list of calls (Granite's `<|tool_call|>[` ... `]`)."""
-
-
-FAMILIES: dict[str, Family] = {
-    "hermes": Family(_hermes, "\n"),
-    "llama3_json": Family(_llama3_json, "; "),
-    "granite": Family(_granite, ", ", before="<|tool_call|>[", after="]"),
-}
-"""Tool-call formats (docs/models.md "Formats") a forced tool_choice is decoded in."""
-
-
 def structural_tag(
     tool_parser: str | None, tools: list[dict[str, Any]], forced: ForcedTools, *, reasoning_close: str | None = None
 ) -> str:
@@ -121,9 +83,10 @@ def structural_tag(
 
     `reasoning_close`: the generation prompt opened the reasoning block (the reply starts inside it), so the
     reply may reason freely up to this closing marker before the calls."""
-    family = FAMILIES.get(tool_parser or "")
+    tool_format = _TOOL_FORMATS.get(tool_parser or "")
+    family = tool_format.grammar if tool_format is not None else None
     if family is None:
-        supported = ", ".join(sorted(FAMILIES))
+        supported = ", ".join(sorted(f.name for f in FORMATS if f.grammar is not None))
         raise BadRequest(
             f"tool_choice 'required' or a named function is decoded under a grammar in the model's tool-call "
             f"format; this model's format ({tool_parser or 'unknown'}) is not one the gateway can constrain "

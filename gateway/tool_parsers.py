@@ -4,14 +4,14 @@ The text is the decoded completion with special tokens kept (`<think>`, `<tool_c
 `<|python_tag|>` are special tokens in most vocabularies, so `skip_special_tokens=True` would erase the
 markers) and the final stop token dropped.
 
-One incremental scanner per tool-call format (gateway.tool_scanners) serves both paths: `parse_reply`
+One incremental scanner per tool-call format (gateway.tool_formats) serves both paths: `parse_reply`
 feeds it the whole text at once, `StreamingReplyParser` feeds it deltas. The streamed deltas are therefore
 a prefix of the final parse by construction, and text that ends up inside a tool call is never streamed
 as content. Reasoning is a block at the start of the reply between the reasoning format's markers
 (`<think>`/`</think>`, Magistral's `[THINK]`/`[/THINK]`); a generation prompt that already opened it
 (DeepSeek-R1, a thinking DeepSeek V3.1) makes the reply start inside it (`in_reasoning`). gpt-oss's
 harmony format is channels rather than markers and has its own parser (gateway.harmony), chosen by
-`reply_parser` when the tool or reasoning format is "harmony".
+`reply_parser` when the tool or reasoning format has one (`ToolFormat.reply_parser`).
 
 Normalisation (the same on both paths): reasoning and content are stripped of surrounding whitespace;
 content is `None` when it is empty and there are tool calls, else a string. A malformed tool call
@@ -20,19 +20,23 @@ content is `None` when it is empty and there are tool calls, else a string. A ma
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from collections.abc import Sequence
+from typing import Any, Literal
 
-from gateway.harmony import HarmonyReplyParser
-from gateway.tool_decoders import ParsedToolCall, Schemas, tool_schemas
+from gateway.tool_decoders import ParsedToolCall, tool_schemas
+from gateway.tool_formats import (
+    THINK,
+    ReasoningFormat,
+    ToolFormat,
+    get_reasoning_format,
+    get_tool_format,
+)
 from gateway.tool_scanners import (
-    SCANNERS,
     Delta,
     NoToolsScanner,
     ParsedReply,
+    ReplyParser,
     Stripper,
-    ToolCallScanner,
     partial_marker_len,
 )
 
@@ -40,49 +44,13 @@ __all__ = ["ParsedReply", "ParsedToolCall", "ReasoningParser", "ReplyParser", "S
            "get_reasoning_parser", "get_tool_parser", "parse_reply", "reply_parser"]
 
 
-@dataclass(frozen=True, slots=True)
-class ToolParser:
-    """A tool-call format: its name and a factory of fresh scanners (one per reply)."""
+ToolParser = ToolFormat
+"""A tool-call format (gateway.tool_formats): the parsers read its scanner and, for harmony, its reply parser."""
+ReasoningParser = ReasoningFormat
 
-    name: str
-    new_scanner: Callable[[Schemas], ToolCallScanner]
-
-
-@dataclass(frozen=True, slots=True)
-class ReasoningParser:
-    """A reasoning format: the markers around the reasoning at the start of a reply."""
-
-    name: str
-    open: str
-    close: str
-
-
-TOOL_PARSERS: dict[str, ToolParser] = {
-    **{name: ToolParser(name, factory) for name, factory in SCANNERS.items()},
-    "harmony": ToolParser("harmony", NoToolsScanner),  # channels: HarmonyReplyParser reads the calls
-}
-NO_TOOLS = ToolParser("none", NoToolsScanner)
-REASONING_PARSERS: dict[str, ReasoningParser] = {
-    "think": ReasoningParser("think", "<think>", "</think>"),
-    "mistral": ReasoningParser("mistral", "[THINK]", "[/THINK]"),
-    "harmony": ReasoningParser("harmony", "<|channel|>analysis", "<|end|>"),
-}
-THINK = REASONING_PARSERS["think"]
-
-
-def get_tool_parser(name: str) -> ToolParser:
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}") from None
-
-
-def get_reasoning_parser(name: str) -> ReasoningParser:
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}") from None
+NO_TOOLS = ToolFormat("none", "", "", (), scanner=NoToolsScanner)
+get_tool_parser = get_tool_format
+get_reasoning_parser = get_reasoning_format
 
 
 # --- reasoning + content ----------------------------------------------------------------------------
@@ -182,25 +150,16 @@ class StreamingReplyParser:
             out.append(("content", piece))
 
 
-class ReplyParser(Protocol):
-    """What the routes use: `StreamingReplyParser` or `HarmonyReplyParser`."""
-
-    @property
-    def tool_calls(self) -> list[ParsedToolCall]: ...
-
-    def feed(self, delta_text: str) -> list[Delta]: ...
-
-    def finish(self) -> ParsedReply: ...
-
-
 def reply_parser(
     tool_parser: ToolParser | None, reasoning: bool | ReasoningParser | None, *, in_reasoning: bool = False,
     tools: Sequence[Any] | None = None,
 ) -> ReplyParser:
     """A fresh parser for one reply; `tool_parser=None` parses no tool calls (no tools were offered)."""
-    harmony = REASONING_PARSERS["harmony"]
-    if reasoning == harmony or (tool_parser is not None and tool_parser.name == "harmony"):
-        return HarmonyReplyParser(tools=tool_parser is not None)
+    whole = tool_parser.reply_parser if tool_parser is not None else None
+    if whole is None and isinstance(reasoning, ReasoningFormat):
+        whole = reasoning.reply_parser
+    if whole is not None:  # channels rather than markers (harmony): its own parser reads the whole reply
+        return whole(tool_parser is not None)
     return StreamingReplyParser(tool_parser, reasoning, in_reasoning=in_reasoning, tools=tools)
 
 

@@ -1,35 +1,18 @@
-"""Incremental scanners that find tool calls in a reply's content text while it streams, one per format.
+"""The streaming machinery the tool-call formats share (gateway.tool_formats holds the formats, one module each).
 
-Every format but Llama 3's is a block between an opening marker and a closing one (or the end of the reply);
-`BlockScanner` finds the blocks, holding back a partial marker or an open block, and the format's decoder
-(`gateway.tool_decoders`, which lists the formats) turns a block's inside into calls. Llama 3's calls are
-the whole reply (`Llama3JsonScanner`). `SCANNERS` names them for `--tool-parser`.
+Most formats are a block between an opening marker and a closing one (or the end of the reply):
+`BlockScanner` finds the blocks while the reply streams, holding back a partial marker or an open block, and
+the format's decoder turns a block's inside into calls. A format that is not a block has a scanner of its own
+(Llama 3's calls are the whole reply: gateway.tool_formats.llama3_json).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from gateway.tool_decoders import (
-    Decoder,
-    ParsedToolCall,
-    Schemas,
-    decode_deepseek,
-    decode_glm45,
-    decode_hermes,
-    decode_json_list,
-    decode_kimi_k2,
-    decode_mistral,
-    decode_qwen3_coder,
-    json_call,
-    mistral_call_id,
-    new_call_id,
-)
-
-PYTHON_TAG = "<|python_tag|>"
+from gateway.tool_decoders import Decoder, ParsedToolCall, Schemas, new_call_id
 
 DeltaKind = Literal["reasoning_content", "content"]
 Delta = tuple[DeltaKind, str]
@@ -41,6 +24,17 @@ class ParsedReply:
     content: str | None
     reasoning_content: str | None
     tool_calls: list[ParsedToolCall] = field(default_factory=list)
+
+
+class ReplyParser(Protocol):
+    """A reply's parser (gateway.tool_parsers' `StreamingReplyParser`, or harmony's): what the routes use."""
+
+    @property
+    def tool_calls(self) -> list[ParsedToolCall]: ...
+
+    def feed(self, delta_text: str) -> list[Delta]: ...
+
+    def finish(self) -> ParsedReply: ...
 
 
 class Stripper:
@@ -166,84 +160,3 @@ class BlockScanner:
             for call in calls:
                 call.id = self._new_id()
         self.calls.extend(calls)
-
-
-class Llama3JsonScanner:
-    """Llama 3.x JSON calls: the whole reply is `[<|python_tag|>]{"name", "parameters"}[; {...}]*`.
-
-    A reply that starts (after whitespace) with `{` or the python tag is held back until the end,
-    because only the complete text tells a tool call from a JSON answer; any other reply streams.
-    """
-
-    def __init__(self, schemas: Schemas | None = None) -> None:
-        self.calls: list[ParsedToolCall] = []
-        self._buf = ""
-        self._mode: Literal["undecided", "text", "held"] = "undecided"
-
-    def feed(self, text: str) -> str:
-        if self._mode == "text":
-            return text
-        self._buf += text
-        if self._mode == "held":
-            return ""
-        head = self._buf.lstrip()
-        if not head or (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
-            return ""
-        if head.startswith(("{", PYTHON_TAG)):
-            self._mode = "held"
-            return ""
-        self._mode, out, self._buf = "text", self._buf, ""
-        return out
-
-    def flush(self) -> str:
-        rest, self._buf = self._buf, ""
-        calls = self._decode(rest) if self._mode == "held" else None
-        if calls is None:
-            return rest
-        self.calls.extend(calls)
-        return ""
-
-    @staticmethod
-    def _decode(text: str) -> list[ParsedToolCall] | None:
-        s = text.strip()
-        if s.startswith(PYTHON_TAG):
-            s = s[len(PYTHON_TAG):].lstrip()
-        decoder = json.JSONDecoder()
-        calls: list[ParsedToolCall] = []
-        pos = 0
-        while pos < len(s):
-            try:
-                obj, pos = decoder.raw_decode(s, pos)
-            except json.JSONDecodeError:
-                return None
-            call = json_call(obj, ("parameters", "arguments"))
-            if call is None:
-                return None
-            calls.append(call)
-            rest = s[pos:].lstrip()
-            if rest.startswith(";"):
-                rest = rest[1:].lstrip()
-            elif rest:
-                return None
-            pos = len(s) - len(rest)
-        return calls or None
-
-
-def block_format(
-    open_: str, close: str | None, decode: Decoder, new_id: Callable[[], str] = new_call_id, *,
-    close_optional: bool = False,
-) -> Callable[[Schemas], ToolCallScanner]:
-    return lambda schemas: BlockScanner(open_, close, decode, schemas, new_id, close_optional=close_optional)
-
-
-SCANNERS: dict[str, Callable[[Schemas], ToolCallScanner]] = {
-    "hermes": block_format("<tool_call>", "</tool_call>", decode_hermes),
-    "qwen3_coder": block_format("<tool_call>", "</tool_call>", decode_qwen3_coder),
-    "glm45": block_format("<tool_call>", "</tool_call>", decode_glm45),
-    "kimi_k2": block_format("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", decode_kimi_k2),
-    "deepseek": block_format("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", decode_deepseek, close_optional=True),
-    "mistral": block_format("[TOOL_CALLS]", None, decode_mistral, mistral_call_id),
-    "granite": block_format("<|tool_call|>", None, decode_json_list),
-    "llama3_json": Llama3JsonScanner,
-}
-"""Tool-call format name -> a factory of fresh scanners (one per reply), given the request's tool schemas."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import threading
 import time
@@ -27,17 +28,17 @@ from typing import Any, TypeVar
 
 import orjson
 
-from gateway.continuity import choose_parent
 from gateway.errors import BadRequest, Conflict, ContextLengthExceeded
 from gateway.generation import Generation
 from gateway.metrics import Metrics
-from gateway.sessions_cache import SessionCache, SessionView
+from gateway.sessions_cache import SessionCache, SessionView, share_messages
+from gateway.store.models import TurnRecord
 from gateway.store.store import SessionAuth, Store, unique_id
 from gateway.templating import ChatTemplate
 from gateway.tool_grammar import ForcedTools, resolve_tool_choice, structural_tag
 from gateway.tool_parsers import ParsedReply, ReplyParser
-from gateway.wire import pack
-from rollway.json_schema_check import unsupported_reason
+from rollway_common.json_schema_check import unsupported_reason
+from rollway_common.wire import pack
 
 T = TypeVar("T")
 
@@ -166,6 +167,8 @@ class PreparedTurn:
     """The chat_template_kwargs the prompt was rendered with: the settings' defaults, then the request's."""
     constrained: bool = False
     """Decoded under a grammar (a forced tool_choice, a response_format): recorded on the turn."""
+    messages_digest: bytes | None = None
+    """The chain digest of the request's messages (gateway.continuity), for the session view's index."""
 
 
 @dataclass(slots=True)
@@ -230,19 +233,19 @@ class TurnService:
         parent_id: str | None = None
         reason: str | None
         text: str | None = None
+        digest: bytes | None = None
         big = req.body_bytes >= BIG_BODY_BYTES
         view = await self.cache.get(auth.id, auth.turn_count)
-        # Every turn's full prompt and completion ids are in the view (a C-speed sum over its turns).
-        recorded = sum(map(len, view.chains.values())) if max_session_tokens is not None else 0
+        recorded = view.recorded if max_session_tokens is not None else 0
         if max_session_tokens is not None and recorded >= max_session_tokens:  # before any rendering
             raise _session_full(auth.id, recorded, None, max_session_tokens, req)
         if req.raw_prompt_ids is not None or req.raw_prompt is not None:
             prompt = await self._raw_prompt(req, big)
             delta, reason = prompt, "completions_endpoint"
         elif big:
-            parent_id, reason, prompt, delta, text = await self.off_loop(self._continue, view, req, True)
+            parent_id, reason, prompt, delta, text, digest = await self.off_loop(self._continue, view, req, True)
         else:
-            parent_id, reason, prompt, delta, text = self._continue(view, req)
+            parent_id, reason, prompt, delta, text, digest = self._continue(view, req)
         if max_session_tokens is not None and recorded + len(prompt) > max_session_tokens:
             raise _session_full(auth.id, recorded, len(prompt), max_session_tokens, req)
         max_new = self._budget(len(prompt), req.max_tokens)
@@ -254,7 +257,7 @@ class TurnService:
             auth=auth, req=req, turn_id=unique_id(prefix), prompt_ids=prompt, prompt_delta=delta,
             parent_id=parent_id, chain_reason=reason, prompt_text=text, sampling=sampling, temperature=temperature,
             max_new_tokens=max_new, started=started, view=view, template_kwargs=self.kwargs_of(req),
-            constrained=req.forced is not None or req.json_schema is not None,
+            constrained=req.forced is not None or req.json_schema is not None, messages_digest=digest,
         )
 
     def _tool_grammar(self, req: TurnRequest, prompt_text: str | None) -> str:
@@ -316,27 +319,28 @@ class TurnService:
 
     def _continue(
         self, view: SessionView, req: TurnRequest, big: bool = False
-    ) -> tuple[str | None, str | None, list[int], list[int], str]:
-        """(parent id, new-chain reason, prompt ids, prompt delta, prompt text) of a chat turn.
+    ) -> tuple[str | None, str | None, list[int], list[int], str, bytes]:
+        """(parent id, new-chain reason, prompt ids, prompt delta, prompt text, chain digest of the messages) of
+        a chat turn.
 
         `big`: on a worker thread, with the thread's own template, without the render cache (its keys would
         be as big as the requests), and measuring the new text before it is tokenized."""
         template = self._worker_template() if big else self.template
         kwargs = self.kwargs_of(req)
-        choice = choose_parent(view.candidates, req.messages, req.tools, kwargs)
-        if choice.parent_turn_id is not None:
-            parent = next(c for c in view.candidates if c.turn_id == choice.parent_turn_id)
+        choice, parent, digest = view.index.find(view.candidates, req.messages, req.tools, kwargs)
+        if parent is not None:
             n_prev = len(parent.messages)
-            chain = view.chains[parent.turn_id]
+            share_messages(req.messages, parent.messages)  # the view then keeps each message once
+            check = None
             if big and self.chars_per_token is not None:
-                self._check_extension(template, parent.messages, req, len(chain), self.chars_per_token)
+                check = functools.partial(self._check_extension, view.lengths[parent.turn_id], self.chars_per_token)
             ext = template.extension(
-                parent.messages, view.completions[parent.turn_id], req.messages[n_prev:], req.tools,
-                parent_prompt=view.prompt_texts.get(parent.turn_id), kwargs=kwargs,
+                parent.messages, view.completion(parent.turn_id), req.messages[n_prev:], req.tools,
+                parent_prompt=view.prompt_texts.get(parent.turn_id), kwargs=kwargs, check_new_chars=check,
             )
             if ext is not None:
                 ids, text = ext
-                return parent.turn_id, None, [*chain, *ids], ids, text
+                return parent.turn_id, None, [*view.full_ids(parent.turn_id), *ids], ids, text, digest
             reason: str | None = "template_not_prefix_stable"
         else:
             reason = choice.reason
@@ -346,16 +350,12 @@ class TurnService:
             if self._max_prompt_chars is not None:  # measured before the costly part of render_prompt: encoding
                 self._check_chars(template.render_text(req.messages, req.tools, kwargs=kwargs), "messages")
             ids, text = template.render_prompt(req.messages, req.tools, kwargs)
-        return None, reason, ids, ids, text
+        return None, reason, ids, ids, text, digest
 
-    def _check_extension(
-        self, template: ChatTemplate, before: list[dict[str, Any]], req: TurnRequest, chain: int, per_token: int
-    ) -> None:
-        """Refuse an extension too long for the context before it is tokenized: its text holds at least
-        everything the full rendering adds after the parent's conversation (`ChatTemplate.extension`)."""
-        kwargs = self.kwargs_of(req)
-        new = len(template.render_text(req.messages, req.tools, kwargs=kwargs)) - len(
-            template.render_text(before, req.tools, add_generation_prompt=False, kwargs=kwargs))
+    def _check_extension(self, chain: int, per_token: int, new: int) -> None:
+        """Refuse an extension too long for the context before it is tokenized: its text holds at least the `new`
+        characters the full rendering adds after the parent's conversation (`ChatTemplate.extension`), on top
+        of the `chain` ids of the turn it extends."""
         at_least = chain - (-new // per_token)
         if at_least >= self.context_length:
             raise ContextLengthExceeded(
@@ -452,7 +452,7 @@ class TurnService:
         reply = {} if raw_only or (client_disconnected and not gen.ids) else self.template.assistant_message(parsed)
         if raw_only:
             reply = {"role": "assistant", "content": text}
-        values = dict(
+        record = TurnRecord(
             id=p.turn_id,
             parent_id=p.parent_id,
             endpoint=p.req.endpoint,
@@ -479,17 +479,16 @@ class TurnService:
             },
         )
         # Shielded: a client that goes away while we commit must not cancel the commit.
-        seq = await asyncio.shield(self.store.insert_turn(p.auth.id, values))
+        seq = await asyncio.shield(self.store.insert_turn(p.auth.id, record))
         if raw_only and p.view is not None and p.view.turn_count == seq - 1:
             # A raw completion is no parent (no messages), but its ids count toward the session's tokens.
             # The view stays current, as a reload from the store would build it; handing the cache a turn
             # without a reply would drop the view and reload every turn of the session on the next call.
-            p.view.chains[p.turn_id] = (*p.prompt_ids, *gen.ids)
-            p.view.turn_count = seq
+            p.view.add_ids(p.turn_id, seq, None, p.prompt_ids, gen.ids)
         else:
             self.cache.record(
-                p.auth.id, seq, p.turn_id, p.req.messages, {} if raw_only else reply, p.req.tools, p.prompt_ids,
-                gen.ids, p.prompt_text, p.template_kwargs or None,
+                p.auth.id, seq, p.turn_id, p.req.messages, {} if raw_only else reply, p.req.tools, p.parent_id,
+                p.prompt_delta, gen.ids, p.prompt_text, p.template_kwargs or None, p.messages_digest,
             )
         self.metrics.turn_stored(
             continuity="extends" if p.parent_id else "new-chain", prompt_tokens=len(p.prompt_ids), completion_tokens=len(gen.ids),
@@ -524,7 +523,7 @@ SCHEMA_PARAM = {"responses": "text.format", "messages": "output_config.format"}
 
 
 def _check_json_schema(req: TurnRequest) -> None:
-    """Refuse up front what SGLang 0.5.23 refuses in a `json_schema` grammar (rollway/json_schema_check.py), so
+    """Refuse up front what SGLang 0.5.23 refuses in a `json_schema` grammar (rollway_common/json_schema_check.py), so
     the answer does not depend on the backend; forced tool calls' schemas (in a structural_tag) are not checked,
     as SGLang does not check them."""
     try:

@@ -1,5 +1,6 @@
 """Publishing weights over torch process groups: the gateway coordinates, the trainer broadcasts (docs/http-api.md
-"Weight sync over process groups"; the trainer's side is trainer/weight_sync.py).
+"Weight sync over process groups"; the trainer's side is trainer/weight_sync.py; the routes are
+gateway/routes/weight_sync.py).
 
     POST /v1/weights/sync/init {version, master_address, backend, timeout_s}
         -> {sync_id, groups: [{group_name, world_size, backend_id}]}     the publish lock is now held for the trainer
@@ -38,18 +39,11 @@ import uuid
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
-from pydantic import Field
-
-from gateway.auth import admin
 from gateway.errors import BadRequest, Conflict, ServiceUnavailable
 from gateway.pool import Backend
-from gateway.protocol import INT32_MAX, Strict
-from gateway.routes.common import json_response, read_body
 from gateway.sglang import BackendError
 
 log = logging.getLogger("rollway.gateway")
@@ -419,123 +413,3 @@ async def _each(targets: list[Target], fn: Any) -> None:
             log.warning("backend %s: %s", t.backend.id, e)
 
     await asyncio.gather(*(one(t) for t in targets))
-
-
-# -- routes ----------------------------------------------------------------------------------------------------
-
-router = APIRouter()
-
-
-class SyncInitBody(Strict):
-    version: int = Field(ge=1, le=INT32_MAX)
-    master_address: str = Field(min_length=1, max_length=255)
-    """The trainer's host as the inference servers reach it (their TCP stores connect there)."""
-    backend: Literal["gloo", "nccl", "tensor"] = "nccl"
-    """The process group's backend, or `tensor`: memory handles on this machine, no group (the trainer's host_id)."""
-    host_id: str | None = Field(default=None, max_length=256)
-    """The trainer's machine (its kernel boot id): the tensor path needs it to be this gateway's."""
-    timeout_s: float = Field(default=120.0, gt=0, le=3600)
-    """Each collective's and each server call's limit."""
-    catch_up: bool = False
-    """Send the current `version` again, only to the backends that lack it (`awaiting_backends`)."""
-
-
-class Manifest(Strict):
-    names: list[str] = Field(min_length=1, max_length=100_000)
-    dtypes: list[str] = Field(min_length=1, max_length=100_000)
-    shapes: list[list[int]] = Field(min_length=1, max_length=100_000)
-
-
-class SyncBody(Strict):
-    sync_id: str = Field(min_length=1, max_length=64)
-    version: int = Field(ge=1, le=INT32_MAX)
-    ports: dict[str, int] = Field(default_factory=dict)
-    """group_name -> the port of the trainer's TCP store for that group."""
-    buckets: list[Manifest] = Field(min_length=1, max_length=100_000)
-    tensors: dict[str, list[list[str]]] = Field(default_factory=dict)
-    """The tensor path: group_name -> per bucket, one `/update_weights_from_tensor` payload per TP rank."""
-    batch_ids: list[str] = Field(default_factory=list)
-    results: dict[str, str] = Field(default_factory=dict)
-
-
-def _sync(request: Request) -> ProcessGroupSync:
-    state = request.app.state
-    if getattr(state, "weight_sync", None) is None:
-        state.weight_sync = ProcessGroupSync(state.publisher)
-    sync: ProcessGroupSync = state.weight_sync
-    return sync
-
-
-@router.post("/v1/weights/sync/init")
-async def sync_init(request: Request) -> Response:
-    await admin(request)
-    body = await read_body(request, SyncInitBody)
-    await request.app.state.registry.reload()  # backends another gateway added take part
-    return json_response(await _sync(request).init(body.version, body.master_address, body.backend, body.timeout_s,
-                                                   body.catch_up, body.host_id))
-
-
-@router.post("/v1/weights/sync")
-async def sync(request: Request) -> Response:
-    await admin(request)
-    body = await read_body(request, SyncBody)
-    for b in body.buckets:
-        if not (len(b.names) == len(b.dtypes) == len(b.shapes)):
-            raise BadRequest("each bucket needs as many dtypes and shapes as names", param="buckets")
-    out = await _sync(request).sync(body.sync_id, body.version, body.ports, [b.model_dump() for b in body.buckets],
-                                    body.batch_ids, body.results, body.tensors)
-    if not out.get("catch_up"):
-        request.app.state.budget.notify_one()  # a new version widens the staleness budget
-    return json_response(out)
-
-
-@router.get("/v1/weights/sync")
-async def sync_progress(request: Request) -> Response:
-    await admin(request)
-    return json_response(await _sync(request).progress())
-
-
-# -- colocated: the servers give memory back for the trainer's step --------------------------------------------
-
-
-class MemoryBody(Strict):
-    tags: list[Literal["kv_cache", "weights", "cuda_graph"]] | None = None
-    """SGLang's tags (null: all three). `kv_cache` is what a colocated trainer's step usually needs."""
-    timeout_s: float = Field(default=120.0, gt=0, le=3600)
-
-
-async def _memory(request: Request, action: Literal["release", "resume"]) -> Response:
-    """Release: pause every backend (`retract`: running requests go back to its queue, none is lost), then
-    `/release_memory_occupation`. Resume: `/resume_memory_occupation`, then continue. Generation stalls in between."""
-    await admin(request)
-    body = await read_body(request, MemoryBody)
-    backends = request.app.state.publisher.pool.backends()
-    t0 = time.perf_counter()
-    failed: dict[str, str] = {}
-    tags: list[str] | None = None if body.tags is None else list(body.tags)
-
-    async def one(b: Backend) -> None:
-        try:
-            if action == "release":
-                await b.client.pause("retract")
-                await b.client.memory_occupation("release", tags, body.timeout_s)
-            else:
-                await b.client.memory_occupation("resume", tags, body.timeout_s)
-                await b.client.continue_()
-        except BackendError as e:
-            failed[b.id] = str(e)
-            log.warning("%s memory on backend %s: %s", action, b.id, e)
-
-    await asyncio.gather(*(one(b) for b in backends))
-    return json_response({"action": action, "tags": body.tags, "seconds": round(time.perf_counter() - t0, 4),
-                          "backends": [b.id for b in backends if b.id not in failed], "failed_backends": failed})
-
-
-@router.post("/v1/weights/memory/release")
-async def release_memory(request: Request) -> Response:
-    return await _memory(request, "release")
-
-
-@router.post("/v1/weights/memory/resume")
-async def resume_memory(request: Request) -> Response:
-    return await _memory(request, "resume")

@@ -207,11 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
              help="a reverse proxy whose X-Forwarded-For/-Proto/-Host are believed (repeatable)")
     _setting(s, "--served-model-name", "served_model_name",
              help="model name in replies (empty: the model folder's name)")
+    from gateway.tool_formats import reasoning_format_names, tool_format_names
+
     _setting(s, "--tool-parser", "tool_parser",
-             help="tool-call format: auto (from the chat template) | hermes | qwen3_coder | llama3_json | mistral | "
-             "deepseek | glm45 | kimi_k2 | harmony | granite | none (docs/models.md)")
+             help=f"tool-call format: auto (from the chat template) | {' | '.join(tool_format_names())} | none "
+             "(docs/models.md)")
     _setting(s, "--reasoning-parser", "reasoning_parser",
-             help="reasoning format: auto (from the chat template) | think | mistral | harmony | none")
+             help=f"reasoning format: auto (from the chat template) | {' | '.join(reasoning_format_names())} | none")
     _setting(s, "--context-length", "context_length", type=int,
              help="fallback when backend and config don't say (0: unknown)")
     s.set_defaults(fn=_serve)

@@ -165,9 +165,8 @@ def serve(args: argparse.Namespace) -> int:
             settings = settings.model_copy(update={"backends": [url], "tokenizer": settings.tokenizer or str(model),
                                                    "backend_admin_api_key": engine_key})
             print(f"embedded CPU engine at {url} serving {model}", file=sys.stderr)
-        app = create_app(settings, admin_key=key)
-        if supervisor is not None:
-            app.state.engine_supervisor = supervisor  # attached to the pool in the lifespan; in GET /ready
+        # The embedded engine's supervisor is attached to the pool in the lifespan and reported by GET /ready.
+        app = create_app(settings, admin_key=key, engine_supervisor=supervisor)
         print(f"gateway on http://{settings.host}:{settings.port}  (agents: POST /v1/groups for keys)",
               file=sys.stderr)
         # proxy_headers off: uvicorn would believe X-Forwarded-For from 127.0.0.1, i.e. from any local user;

@@ -195,6 +195,10 @@ FAMILIES: tuple[Family, ...] = (
            added=("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>"),
            eos="<|end_of_text|>", stops=("<|end_of_text|>",), substitute=_BYTE_LEVEL.format("Granite 4")),
+    Family("Nemotron Nano 2", "NVIDIA-Nemotron-Nano-v2", "gpt-2",
+           added=("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>", "<think>", "</think>", "<TOOLCALL>", "</TOOLCALL>",
+                  "<TOOL_RESPONSE>", "</TOOL_RESPONSE>", "<AVAILABLE_TOOLS>", "</AVAILABLE_TOOLS>"),
+           eos="<SPECIAL_12>", stops=("<SPECIAL_12>",), substitute=_BYTE_LEVEL.format("Nemotron-H")),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 

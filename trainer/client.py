@@ -4,7 +4,7 @@
     ├── GatewayUnreachable        connection refused / timed out: the message names the URL
     └── GatewayHTTPError          the gateway answered 4xx/5xx: status, type, code and its message
 
-Arrays arrive in the compact wire form and are decoded here with `rollway.wire.decode_array` (the trainer
+Arrays arrive in the compact wire form and are decoded here with `rollway_common.wire.decode_array` (the trainer
 imports nothing from the gateway: it reaches it only over HTTP), so the rest of the trainer sees plain lists
 (`Sample`).
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from rollway.wire import LEASE_FORMAT, decode_array
+from rollway_common.wire import LEASE_FORMAT, decode_array
 
 log = logging.getLogger(__name__)
 

@@ -34,38 +34,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.distributed_c10d import (
-    GroupName,
-    PrefixStore,
-    _new_process_group_helper,
-    _world,
-    rendezvous,
-)
 
+from rollway_common.process_group import init_custom_process_group
+from rollway_common.procs import free_port
 from trainer.checkpoint import TOKENIZER_FILES, _fsync_dir, _fsync_tree, full_state_dict, save_dtype
 from trainer.client import GatewayClient, GatewayHTTPError
-from trainer.fsdp import free_port
 from trainer.tensor_sync import host_id, payloads, share_cpu_tensors
 
 log = logging.getLogger("trainer")
-
-
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout: timedelta) -> dist.ProcessGroup:
-    """A group apart from the trainer's own, made the way SGLang makes its side (so either end can be SGLang). Rank 0
-    serves the TCP store itself: under torchrun, `rendezvous` would make it a client of the launcher's store."""
-    if rank == 0:
-        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
-        store: dist.Store = dist.TCPStore(host, int(port), world_size, is_master=True, timeout=timeout,
-                                          wait_for_workers=False)
-    else:
-        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=GroupName(group_name),
-                                    timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
 
 
 def plan_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:

@@ -94,7 +94,7 @@ def test_bad_grammars_are_400s_in_sglangs_shape(live_engine: LiveServer, samplin
 
 def test_structural_tag_forces_a_hermes_call(live_engine: LiveServer) -> None:
     """The gateway's forced tool_choice grammar (gateway/tool_grammar.py) on the engine: a Hermes tool call."""
-    from gateway.tool_decoders import decode_hermes
+    from gateway.tool_formats.hermes import decode as decode_hermes
     from gateway.tool_grammar import ForcedTools, structural_tag
 
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
@@ -108,6 +108,29 @@ def test_structural_tag_forces_a_hermes_call(live_engine: LiveServer) -> None:
         assert calls is not None and len(calls) == 1, text
         assert calls[0].name == "get_weather"
         jsonschema.validate(json.loads(calls[0].arguments), SCHEMA)
+
+
+def _grammar_formats() -> list[str]:
+    from gateway.tool_formats import FORMATS
+
+    return [f.name for f in FORMATS if f.grammar is not None and f.name != "hermes"]  # hermes: the test above
+
+
+@pytest.mark.parametrize("fmt", _grammar_formats())
+def test_structural_tag_forces_a_call_in_each_format(live_engine: LiveServer, fmt: str) -> None:
+    """Every registered format with a grammar, on the engine: the reply it forces is a call the format's parser
+    reads back, its arguments held to the schema."""
+    from gateway.tool_formats import get_tool_format
+    from gateway.tool_grammar import ForcedTools, structural_tag
+    from gateway.tool_parsers import parse_reply
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+    tag = structural_tag(fmt, [tool], ForcedTools("get_weather", parallel=False))
+    out = asyncio.run(generate(live_engine.url, {"structural_tag": tag, "sampling_seed": 1, "max_new_tokens": 120,
+                                                 "skip_special_tokens": False}, [5, 6, 8])).json()
+    reply = parse_reply(out["text"], get_tool_format(fmt), tools=[tool])
+    assert [c.name for c in reply.tool_calls] == ["get_weather"] and reply.content is None, out["text"]
+    jsonschema.validate(json.loads(reply.tool_calls[0].arguments), SCHEMA)
 
 
 def test_the_grammar_library_is_llguidance_alone(live_engine: LiveServer) -> None:

@@ -2,7 +2,7 @@
 table) that answers every prompt with the same 30 tokens and their logprobs, so a benchmark measures
 the gateway rather than the backend. Served by uvicorn with uvloop and httptools:
 
-    python -m tests.fakes.fast_backend --port 30000
+    python -m tests.fakes.fast_backend --port 30000 [--context-length 32768]
 
 Streams (cumulative chunks, like SGLang's default) when asked. Echoes `rid`, `weight_version` comes from
 the last /update_weights_from_disk. Answers /health, /model_info, /server_info and the control
@@ -71,8 +71,10 @@ _CONTROL = {
 class FastBackend:
     """The ASGI app; one instance per served backend (it holds the weight version)."""
 
-    def __init__(self) -> None:
+    def __init__(self, context_length: int = CONTEXT_LENGTH) -> None:
         self.weight_version = "default"
+        self.context_length = context_length
+        """What /server_info reports (benchmarks/long_sessions.py serves prompts longer than the default)."""
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # lifespan is off; anything else is not ours
@@ -93,8 +95,8 @@ class FastBackend:
             await _send(send, 200, orjson.dumps(info))
         elif path in ("/server_info", "/get_server_info"):
             info = {
-                "context_length": CONTEXT_LENGTH,
-                "max_req_input_len": CONTEXT_LENGTH - 1,
+                "context_length": self.context_length,
+                "max_req_input_len": self.context_length - 1,
                 "version": "fast",
             }
             await _send(send, 200, orjson.dumps(info))
@@ -123,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Fast fixed-reply fake SGLang /generate for benchmarks.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--context-length", type=int, default=CONTEXT_LENGTH, help="what /server_info reports")
     args = parser.parse_args(argv)
+    app.context_length = args.context_length
     serve_forever(app, args.host, args.port, fast=True)
 
 

@@ -13,6 +13,7 @@ import anthropic
 import httpx
 import pytest
 
+from gateway.services import app_services
 from tests.gateway.conftest import ids_of
 from tests.gateway.test_anthropic_api import CALL, TOOLS, client, turns
 from tests.harness import ADMIN_KEY, LiveGateway
@@ -244,7 +245,7 @@ def test_hostile_bodies(gateway: LiveGateway, fake: Any, cred: dict[str, Any]) -
 
 
 def test_sizes_are_limited(gateway: LiveGateway, cred: dict[str, Any]) -> None:
-    settings = gateway.app.state.settings
+    settings = app_services(gateway.app).settings
     many = [{"type": "text", "text": "x"}] * (4 * settings.max_messages + 1)
     r = post(gateway, cred, {**OK, "messages": [{"role": "user", "content": many}]})
     anthropic_error(r, 400, "invalid_request_error", "content blocks")

@@ -13,9 +13,12 @@ from gateway.continuity import (
     Candidate,
     CanonicalMessage,
     ParentChoice,
+    ParentIndex,
     canonical_message,
     canonical_tools,
+    chain_digests,
     choose_parent,
+    message_digest,
     messages_equal,
 )
 from gateway.protocol import ChatMessage
@@ -320,3 +323,89 @@ def test_long_session_is_linear_and_cached() -> None:
         cands.append(cand(f"t{i}", msgs, i))
     assert time.perf_counter() - started < 2.0  # ~0.05 s on a shared 2-core machine
     assert all(c._canon is not None for c in cands[:-1])
+
+
+# --- ParentIndex: the same answer as choose_parent, by digests -----------------------------------------
+
+
+def _indexed(cands: list[Candidate]) -> ParentIndex:
+    index = ParentIndex()
+    for c in cands:
+        index.add(c)
+    return index
+
+
+REQUESTS = [
+    [SYSTEM, USER],
+    [*T1, RESULT],
+    [*T2, USER2],
+    T1,
+    [SYSTEM, {"role": "user", "content": "Weather in Lyon?"}, CALL, RESULT],
+    [SYSTEM, USER, ANSWER, USER2],
+    [{"role": "system", "content": "Summarise."}, USER],
+    [SYSTEM, USER, CALL, RESULT, {"role": "assistant", "content": "Rainy."}, USER2],
+    [  # re-serialised by a client: null fields, text parts, other key order and spacing in the arguments
+        {"content": "You are terse.", "role": "system", "name": None},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "renamed", "function": {
+            "name": "get_weather", "arguments": json.dumps({"unit": "C", "city": "Paris"}, indent=2)}}]},
+        RESULT,
+    ],
+]
+CANDIDATE_SETS = [
+    [],
+    [cand("t1", T1, 1)],
+    [cand("t1", T1, 1), cand("t2", T2, 2)],
+    [cand("t1", T1, 1), cand("t1-retry", T1, 2), cand("t1-old", T1, 0)],
+    [cand("t1", T1, 1, tools=None), cand("t2", T2, 2)],
+    [cand("t1", T1, 1, tools=None)],
+    [Candidate("t1", T1, TOOLS, 1, {"enable_thinking": True})],
+]
+
+
+@pytest.mark.parametrize("cands", CANDIDATE_SETS)
+@pytest.mark.parametrize("tools", [TOOLS, None])
+@pytest.mark.parametrize("kwargs", [None, {"enable_thinking": True}, {"enable_thinking": False}])
+def test_index_answers_as_choose_parent(cands: list[Candidate], tools: Any, kwargs: Any) -> None:
+    index = _indexed(cands)
+    for request in REQUESTS:
+        choice, parent, digest = index.find(cands, request, tools, kwargs)
+        assert choice == choose_parent(cands, request, tools, kwargs), request
+        assert (parent.turn_id if parent else None) == choice.parent_turn_id
+        assert digest == chain_digests(message_digest(m) for m in request)[-1]
+
+
+def test_candidate_key_from_its_request_digest() -> None:
+    """A candidate given its request's digest keys as one that digests all its messages itself."""
+    _, _, digest = ParentIndex().find([], T1[:-1], TOOLS)
+    assert Candidate("a", T1, TOOLS, 1, prefix_digest=digest).key() == cand("b", T1, 1).key()
+    assert cand("b", T1, 1).key() != cand("c", T1, 1, tools=None).key()
+
+
+def test_index_on_a_long_session_compares_no_candidate() -> None:
+    """300 turns each extending the last: every turn finds its parent through the index, without canonical
+    forms of any candidate (the message-by-message comparison never runs)."""
+    msgs: list[dict[str, Any]] = [SYSTEM]
+    cands: list[Candidate] = []
+    index = ParentIndex()
+    digest = b""
+    for i in range(300):
+        msgs = [*msgs, {"role": "user", "content": f"question {i}"}]
+        choice, _, digest = index.find(cands, msgs, TOOLS)
+        assert choice == (ParentChoice(cands[-1].turn_id, None) if cands else ParentChoice(None, "first_turn"))
+        msgs = [*msgs, {"role": "assistant", "content": f"answer {i}"}]
+        cands.append(Candidate(f"t{i}", msgs, TOOLS, i, prefix_digest=digest))
+        index.add(cands[-1])
+    assert all(c._canon is None for c in cands)
+
+
+def test_index_digests_cache_by_exact_json() -> None:
+    """A message sent again as it was is found in the cache; one re-serialised (other key order, nulls) is put in
+    canonical form again and digests the same."""
+    index = ParentIndex()
+    first = index.digests([SYSTEM, CALL])
+    assert len(index._raw) == 2
+    again = index.digests([dict(SYSTEM), json.loads(json.dumps(CALL))])
+    assert again == first and len(index._raw) == 2
+    reordered = index.digests([{"content": "You are terse.", "role": "system", "name": None}, CALL])
+    assert reordered == first and len(index._raw) == 3

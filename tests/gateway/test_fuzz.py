@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.anthropic.api import ROUTES as ANTHROPIC_ROUTES
 from gateway.app import create_app
 from gateway.errors import ANTHROPIC_TYPES
 from gateway.openapi import OPERATIONS
-from gateway.routes.anthropic_api import ROUTES as ANTHROPIC_ROUTES
 from gateway.routes.openai_api import ROUTES as OPENAI_ROUTES
 from gateway.routes.responses import ROUTES as RESPONSES_ROUTES
 from gateway.settings import Settings

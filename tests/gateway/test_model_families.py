@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 
 from gateway.samples import Sequence, session_sequences
+from gateway.services import app_serving
 from gateway.store.db import upgrade
 from gateway.store.store import TurnRow
 from gateway.templating import ChatTemplate
-from gateway.wire import pack
+from rollway_common.wire import pack
 from tests.fakes.sglang import FakeSGLang
 from tests.harness import LiveGateway
 from tests.model_checks import (
@@ -50,7 +51,7 @@ def _db(folder: Path) -> str:
     return url
 
 
-THINKING = {"Qwen3", "QwQ", "DeepSeek-R1-Distill", "DeepSeek V3.1", "GLM-4.6", "gpt-oss"}
+THINKING = {"Qwen3", "QwQ", "DeepSeek-R1-Distill", "DeepSeek V3.1", "GLM-4.6", "gpt-oss", "Nemotron Nano 2"}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ FORMATS = {
     "Qwen2.5": "hermes", "Qwen3": "hermes", "Qwen3-Coder": "qwen3_coder", "QwQ": "hermes", "Llama 3.1": "llama3_json",
     "Llama 3.2": "llama3_json", "Hermes 3": "hermes", "DeepSeek-R1-Distill": "deepseek", "DeepSeek V3.1": "deepseek",
     "Mistral Nemo": "mistral", "Mistral Small 3.2": "mistral", "GLM-4.6": "glm45", "Kimi-K2": "kimi_k2",
-    "gpt-oss": "harmony", "Granite 3.3": "granite", "Granite 4.0": "hermes",
+    "gpt-oss": "harmony", "Granite 3.3": "granite", "Granite 4.0": "hermes", "Nemotron Nano 2": "nemotron_json",
 }
 
 
@@ -101,7 +102,7 @@ def families_gw(real_files: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                 gw = LiveGateway(backends=[fake.url], tokenizer=str(tokenizer_dir(BY_NAME[name])), db=db).__enter__()
                 started[name] = gw
             gw = started[name]
-            return gw, gw.app.state.template
+            return gw, app_serving(gw.app).template
 
         yield {"fake": fake, "gateway": gateway}
     finally:
@@ -149,6 +150,27 @@ def test_deepseek_r1_reply_starts_inside_the_reasoning(families_gw: dict[str, An
     assert "</think>" not in msg["content"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_nemotron_forced_call_after_the_opened_reasoning(families_gw: dict[str, Any], stream: bool) -> None:
+    """Nemotron Nano 2's generation prompt opens `<think>`: a forced tool_choice lets the reply reason up to
+    `</think>`, then holds it to the family's `<TOOLCALL>[...]</TOOLCALL>`; the reply (the template's own
+    rendering of the call) comes back as reasoning and the call, whole and streamed."""
+    gw, ct = families_gw["gateway"]("Nemotron Nano 2")
+    call = {**CALL, "reasoning_content": REASONING}
+    reply = render_reply(ct, [SYSTEM, USER], call, TOOLS)
+    assert ct.opens_reasoning(reply.prompt_text) and "<TOOLCALL>[" in ct.completion_text(reply.ids)
+    families_gw["fake"].script([reply.ids])
+    msg = _chat(gw, gw.group(1)["sessions"][0], [SYSTEM, USER], stream=stream, tools=TOOLS, tool_choice="required")
+    tag = json.loads(families_gw["fake"].requests[-1]["sampling_params"]["structural_tag"])["format"]
+    assert [e["type"] for e in tag["elements"]] == ["tag", "const_string", "tags_with_separator", "const_string"]
+    assert (tag["elements"][0]["end"], tag["elements"][1]["value"], tag["elements"][3]["value"]) == \
+        ("</think>", "<TOOLCALL>[", "]</TOOLCALL>")
+    assert tag["elements"][2]["tags"][0]["begin"] == '{"name": "get_weather", "arguments": '
+    assert msg["reasoning_content"] == REASONING and not msg["content"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+        [("get_weather", {"city": "Paris", "days": 3})]
+
+
 def test_enable_thinking_reaches_the_template_and_a_change_is_a_new_chain(families_gw: dict[str, Any]) -> None:
     """Qwen3's chat_template_kwargs (what clients send with extra_body) reach the template and are recorded on
     the turn. A tool call made with thinking on; its result sent with {"enable_thinking": false}: that prompt
@@ -187,7 +209,7 @@ def test_settings_give_default_template_kwargs(real_files: Path, tmp_path: Path)
     with FakeSGLang(vocab=range(100, 1000)) as fake, LiveGateway(
             backends=[fake.url], tokenizer=str(tokenizer_dir(BY_NAME["Qwen3"])), db=_db(tmp_path),
             chat_template_kwargs={"enable_thinking": False}) as gw:
-        ct = gw.app.state.template
+        ct = app_serving(gw.app).template
         cred = gw.group(1)["sessions"][0]
         fake.script([ct.encode("Hi.<|im_end|>"), ct.encode("Hi.<|im_end|>")])
         _chat(gw, cred, [USER])
@@ -218,7 +240,7 @@ def test_unknown_tool_format_refuses_tools_and_serves_the_rest(real_files: Path,
         assert r.status_code == 400
         err = r.json()["error"]
         assert "--tool-parser" in err["message"] and err["param"] == "tools" and err["type"] == "invalid_request_error"
-        fake.script([gw.app.state.template.encode("Sunny.<|im_end|>")])
+        fake.script([app_serving(gw.app).template.encode("Sunny.<|im_end|>")])
         assert _chat(gw, cred, [USER])["content"] == "Sunny."
 
 
@@ -278,7 +300,7 @@ def test_qwen3_drops_earlier_reasoning_so_a_new_user_turn_is_a_new_chain(familie
     turns = rec["turns"]
     assert [(t["continuity"], t["chain_reason"]) for t in turns] == [
         ("new-chain", "first_turn"), ("extends", None), ("new-chain", "template_not_prefix_stable")]
-    seqs = session_sequences(_rows(rec), 1.0, 1.0)
+    seqs = session_sequences(_rows(rec))
     assert len(seqs) == 2
     first, second = seqs
     assert first.token_ids == turns[1]["prompt_ids"] + emitted[1]
@@ -300,7 +322,7 @@ def test_llama31_python_tag_call_stays_as_the_model_emitted_it(families_gw: dict
     turns = rec["turns"]
     assert [t["continuity"] for t in turns] == ["new-chain", "extends", "extends"]
     assert rec["tool_calls"][0]["name"] == "get_weather"
-    (seq,) = session_sequences(_rows(rec), 1.0, 1.0)
+    (seq,) = session_sequences(_rows(rec))
     assert seq.token_ids == turns[2]["prompt_ids"] + emitted[2]
     assert _trained(seq) == model_call + emitted[1] + emitted[2]
     untrained = [t for t, m in zip(seq.token_ids, seq.loss_mask, strict=True) if not m]
@@ -314,7 +336,7 @@ def test_hermes3_tool_response_rendered_as_last_then_not(families_gw: dict[str, 
     ct, rec, emitted = _session(families_gw, "Hermes 3", CALL, ANSWER)
     turns = rec["turns"]
     assert [t["continuity"] for t in turns] == ["new-chain", "extends", "extends"]
-    (seq,) = session_sequences(_rows(rec), 1.0, 1.0)
+    (seq,) = session_sequences(_rows(rec))
     assert seq.token_ids == turns[2]["prompt_ids"] + emitted[2]
     assert _trained(seq) == emitted[0] + emitted[1] + emitted[2]
     # What follows the first reply in the second prompt is the template's own rendering of the tool result

@@ -28,10 +28,11 @@ CALLS = {
     "mistral": 'Let me check.[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "days": 3}',
     "granite": 'Let me check.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
     "hermes": 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+    "nemotron_json": 'Let me check.\n<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]</TOOLCALL>',
 }
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}}}}}]
-MARKUP = re.compile(r"<\|?/?(tool|function|parameter|arg_|think)|\[TOOL_CALLS\]|\[ARGS\]|<｜|<\|tool")
+MARKUP = re.compile(r"<\|?/?(tool|function|parameter|arg_|think|TOOLCALL)|\[TOOL_CALLS\]|\[ARGS\]|<｜|<\|tool")
 
 
 def _streamed(text: str, fmt: str, rng: random.Random, **kw: object) -> tuple[ParsedReply, dict[str, str]]:
@@ -66,6 +67,24 @@ def test_a_malformed_call_stays_content(fmt: str) -> None:
         "<arg_value>3</arg_value>", "3")
     reply = parse_reply(broken, get_tool_parser(fmt), tools=TOOLS)
     assert reply.tool_calls == [] and reply.content == broken.strip()
+
+
+def test_nemotron_calls_are_one_json_list_after_the_reasoning() -> None:
+    """Nemotron Nano 2 writes all of a reply's calls in one `<TOOLCALL>[...]</TOOLCALL>`, after the reasoning its
+    generation prompt opened; an argument object may come as a JSON string. Anything but a non-empty list of
+    named calls in a closed block is content, as written."""
+    fmt = get_tool_parser("nemotron_json")
+    text = ('Two calls.\n</think>\n\n<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}]</TOOLCALL>')
+    for reply in (parse_reply(text, fmt, in_reasoning=True, tools=TOOLS),
+                  _streamed(text, fmt.name, random.Random(3), in_reasoning=True)[0]):
+        assert (reply.reasoning_content, reply.content) == ("Two calls.", None)
+        assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == \
+            [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    for broken in ('<TOOLCALL>{"name": "get_weather", "arguments": {}}</TOOLCALL>', "<TOOLCALL>[]</TOOLCALL>",
+                   '<TOOLCALL>[{"arguments": {}}]</TOOLCALL>', '<TOOLCALL>[{"name": "get_weather", "arguments": {}}]'):
+        reply = parse_reply(broken, fmt, tools=TOOLS)
+        assert reply.tool_calls == [] and reply.content == broken
 
 
 def test_xml_values_follow_the_schema() -> None:
@@ -133,6 +152,7 @@ def test_reasoning_opened_by_the_prompt_and_magistral_markers() -> None:
     ("<｜tool▁calls▁begin｜><think>", "deepseek", "think"),
     ("[TOOL_CALLS][THINK]", "mistral", "mistral"),
     ("<|tool_call|>", "granite", "think"),
+    ("<AVAILABLE_TOOLS>...<TOOLCALL>[{...}]</TOOLCALL>...<think>\n", "nemotron_json", "think"),
     ("<|python_tag|><|eot_id|>", "llama3_json", "think"),
     ('{"name": ..., "parameters": ...}<|eot_id|>', "llama3_json", "think"),
     ("<|start|>assistant<|channel|>final<|message|>", "harmony", "harmony"),

@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.wire import decode_array
+from rollway_common.wire import decode_array
 from tests.fakes.sglang import FakeSGLang
 from tests.gateway.conftest import ids_of
 from tests.harness import LiveGateway

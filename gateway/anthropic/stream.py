@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from gateway.anthropic import sign_thinking, stop_reason, usage
+from gateway.anthropic.translate import sign_thinking, stop_reason, usage
 from gateway.errors import GatewayError, anthropic_error
 from gateway.generation import Generation
 from gateway.tool_parsers import ParsedReply

@@ -2,8 +2,8 @@
 
 Strict types and finite numbers as on the OpenAI routes (`gateway.protocol`); unknown top-level fields are
 accepted, ignored and logged once (`note_unknown_fields`), except the ones naming server-side features the
-gateway does not have, which `gateway.anthropic` refuses. Content blocks arrive as plain objects and are
-checked one by one against the block models below by `gateway.anthropic`, so an unsupported block type gets
+gateway does not have, which `gateway.anthropic.translate` refuses. Content blocks arrive as plain objects and are
+checked one by one against the block models below by `gateway.anthropic.translate`, so an unsupported block type gets
 a message naming it (docs/conformance-anthropic.md) instead of a validator's union error.
 """
 
@@ -15,7 +15,7 @@ from pydantic import Field
 
 from gateway.protocol import INT32_MAX, _Lenient
 
-# --- content blocks (checked by gateway.anthropic, block by block) ----------------------------------------
+# --- content blocks (checked by gateway.anthropic.translate, block by block) ----------------------------------------
 
 
 class TextBlock(_Lenient):

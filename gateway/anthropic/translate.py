@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.anthropic_protocol import (
+from gateway.anthropic.protocol import (
     REFUSED_FIELDS,
     AnthropicTool,
     AnthropicToolChoice,
