@@ -304,6 +304,8 @@ def main() -> None:
     ap.add_argument("--long-lengths", default="8192,16384,32768", help="4.: row lengths in tokens")
     ap.add_argument("--dense-max", type=int, default=16384, help="4.: longest row run under a dense mask")
     ap.add_argument("--budget-gib", type=float, default=16.0, help="4.: activation memory for the longest-row line")
+    ap.add_argument("--long-device", default="cpu", help="4.: where the long rows run (cuda: the allocator's peak)")
+    ap.add_argument("--long-dtype", default="float32", help="4.: the model's dtype (bfloat16 on a GPU)")
     ap.add_argument("--long-worker", nargs=2, metavar=("VARIANT", "TOKENS"), help=argparse.SUPPRESS)
     ap.add_argument("--lora", action="store_true", help="instead: step time and memory, full weights vs LoRA")
     ap.add_argument("--publish", action="store_true",
@@ -336,6 +338,7 @@ def main() -> None:
             sizes = [int(x) for x in args.memory_sizes.split(",")]
             report_memory(bench_memory(sizes, args.max_gib), default_tokens)
         if args.memory_part in ("all", "long"):
+            os.environ[trainer_memory.DEVICE_ENV], os.environ[trainer_memory.DTYPE_ENV] = args.long_device, args.long_dtype
             lengths = [int(x) for x in args.long_lengths.split(",")]
             trainer_memory.report(trainer_memory.bench(lengths, args.max_gib, args.dense_max), args.budget_gib)
         return
