@@ -110,7 +110,11 @@ async def _memory(request: Request, action: Literal["release", "resume"]) -> Res
         try:
             if action == "release":
                 await b.client.pause("retract")
-                await b.client.memory_occupation("release", tags, body.timeout_s)
+                try:
+                    await b.client.memory_occupation("release", tags, body.timeout_s)
+                except BackendError:
+                    await b.client.continue_()  # nothing was released: generation goes on, as before the call
+                    raise
             else:
                 await b.client.memory_occupation("resume", tags, body.timeout_s)
                 await b.client.continue_()
