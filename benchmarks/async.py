@@ -62,8 +62,8 @@ from bench_procs import Procs  # noqa: E402
 
 from rollway.demo import GROUPS_IN_FLIGHT, GROUPS_PER_STEP, N_SAMPLES, RL_LR, SFT_MAX_STEPS, _read_steps, _sft  # noqa: E402
 from rollway.embedded import free_port, wait_healthy  # noqa: E402
-from rollway.paths import agent_file  # noqa: E402
 from rollway.rollout import Runner, load_agent, load_tasks  # noqa: E402
+from rollway_common.paths import agent_file  # noqa: E402
 
 COUNTERS = ("rollway_admission_refused_total", "rollway_resubmits_total")
 

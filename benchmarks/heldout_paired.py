@@ -3,7 +3,7 @@
 `loop.py` reports each side's greedy accuracy on the 200 held-out tasks. Two accuracies a few tasks apart say
 little on their own: this script evaluates, per seed, the weights each side ended with (rollway's last
 published version, `WORK/seed<s>/rollway/train/weights/`, and TRL's `WORK/seed<s>/trl/final/`) on the same
-tasks, greedy, each in a fresh CPU engine + gateway (`loop.heldout`'s stack), and pairs the answers: tasks both
+tasks, greedy, each in a fresh CPU engine + gateway (`loop_common.heldout`'s stack), and pairs the answers: tasks both
 got right, only rollway, only TRL, neither. The difference (rollway - TRL) comes with an exact two-sided
 McNemar p-value (binomial on the discordant tasks) and a 95% interval (Wilson's, on the discordant split,
 mapped to the difference); pooled over the seeds too.
@@ -24,11 +24,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `engine` is the package, not benchmarks/engine.py
 
-from loop import stack
+from loop_common import stack
 
 from rollway.demo import EVAL_TASKS, GROUPS_IN_FLIGHT, N_SAMPLES
-from rollway.paths import agent_file
 from rollway.rollout import Runner, load_agent, load_tasks, run_async
+from rollway_common.paths import agent_file
 
 
 def per_task(model: Path, wd: Path, tasks: list[dict[str, Any]]) -> list[bool]:

@@ -13,6 +13,9 @@ engine` servers (CPU) behind `rollway serve`; the trainer's side runs here (worl
 - disk, no fsync: the same with the fsyncs skipped (a filesystem that acknowledges writes before they are durable)
 - process group:  `SyncPayload.gather` + `publish` (trainer/weight_sync.py): POST /v1/weights/sync/init and
                   /v1/weights/sync, one gloo group per server, buckets of --bucket-mb
+- tensor:         the same with `backend="tensor"` (trainer/tensor_sync.py): the buckets in shared memory, each
+                  server handed their names through `/update_weights_from_tensor` and copying from them (servers on
+                  this machine only); target: <= 0.5x the process group
 
 bytes/s = the weights' bytes (what is broadcast, about the safetensors file) / seconds. Target: process group
 <= 0.5x disk. The median is of publishes after a warm-up one of each way (`--warmup`), as a training run publishes
@@ -46,9 +49,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_procs import Procs  # noqa: E402
-from benchmarks.trainer import make_model  # noqa: E402
-from rollway import paths  # noqa: E402
+from benchmarks.trainer_models import make_model  # noqa: E402
 from rollway.embedded import free_port, wait_healthy  # noqa: E402
+from rollway_common import paths  # noqa: E402
 from trainer import checkpoint  # noqa: E402
 from trainer.client import GatewayClient  # noqa: E402
 from trainer.weight_sync import SyncOptions, SyncPayload  # noqa: E402
@@ -97,10 +100,22 @@ def _process_group(ctx: Ctx, version: int) -> int:
     return payload.nbytes
 
 
+def _tensor(ctx: Ctx, version: int) -> int:
+    opts = SyncOptions(backend="tensor", bucket_bytes=ctx.bucket_bytes, timeout=300)
+    t0 = time.perf_counter()
+    payload = SyncPayload.gather(ctx.model, ctx.source, opts)
+    t1 = time.perf_counter()
+    payload.publish(ctx.client, version, [], {})
+    print(f"    gather {t1 - t0:.3f} s, publish {payload.last['seconds']:.3f} s "
+          f"(gateway {payload.last['answer']['seconds']:.3f} s)", flush=True)
+    return payload.nbytes
+
+
 ROWS: dict[str, Callable[[Ctx, int], int]] = {
     "disk, fsync": _disk(True),
     "disk, no fsync": _disk(False),
     "process group (gloo)": _process_group,
+    "tensor (shared memory)": _tensor,
 }
 
 

@@ -31,8 +31,8 @@ from loop import stack
 
 from engine.tiny_model import create_tiny_model
 from rollway.demo import GROUPS_IN_FLIGHT, N_SAMPLES
-from rollway.paths import agent_file
 from rollway.rollout import Runner, event_loop_factory, load_agent, load_tasks
+from rollway_common.paths import agent_file
 
 
 async def drive(gateway: str, key: str, tasks: list[dict[str, Any]], groups: int) -> tuple[int, float, float]:

@@ -31,8 +31,8 @@ def main() -> None:
     args = p.parse_args()
     from engine.tiny_model import create_tiny_model
     from rollway.demo import SFT_BATCH, SFT_EXAMPLES, SFT_LR
-    from rollway.paths import agent_file
     from rollway.rollout import load_tasks
+    from rollway_common.paths import agent_file
 
     work = Path(tempfile.mkdtemp(prefix="sft-busy-"))
     model = create_tiny_model(work / "model", seed=0)

@@ -54,46 +54,13 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks import trainer_memory
+from benchmarks.trainer_models import SIZES, make_model, make_rows
 from trainer.batching import MicroBatch, Row, collate, micro_batches, plan_step
 from trainer.checkpoint import export_hf, full_state_dict, save_dtype
 from trainer.config import TrainConfig
 from trainer.fsdp import init_distributed, load_sharded_model, shutdown
 from trainer.loss import PolicyInputs, PPOParams, full_token_logprobs, ppo_loss, token_logprobs
 from trainer.step import forward_logprobs, fused_head, rl_step
-
-SIZES = {
-    # name: (hidden, intermediate, layers, heads, kv heads, vocab, rows, min length, max length)
-    "tiny": (64, 128, 2, 4, 2, 512, 16, 96, 160),
-    "100m": (768, 2048, 12, 12, 4, 32000, 8, 96, 160),
-}
-
-
-def make_model(size: str, path: Path) -> int:
-    h, inter, layers, heads, kv, vocab, *_ = SIZES[size]
-    config = Qwen2Config(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
-                         max_position_embeddings=1024, tie_word_embeddings=True)  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
-
-
-def make_rows(size: str, seed: int = 0) -> list[list[Row]]:
-    *_, vocab, n_rows, lo, hi = SIZES[size]
-    g = torch.Generator().manual_seed(seed)
-    groups = []
-    for i in range(n_rows // 2):  # groups of two sequences
-        rows = []
-        for _ in range(2):
-            n = int(torch.randint(lo, hi + 1, (1,), generator=g))
-            mask = [0] * 32 + [1] * (n - 32)
-            adv = 1.0 if i % 2 else -1.0
-            rows.append(Row(torch.randint(0, vocab, (n,), generator=g).tolist(), mask,
-                            [-torch.log(torch.tensor(float(vocab))).item() * m for m in mask],
-                            [adv * m for m in mask], [1.0] * n))  # fmt: skip
-        groups.append(rows)
-    return groups
 
 
 def logprobs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -337,6 +304,8 @@ def main() -> None:
     ap.add_argument("--long-lengths", default="8192,16384,32768", help="4.: row lengths in tokens")
     ap.add_argument("--dense-max", type=int, default=16384, help="4.: longest row run under a dense mask")
     ap.add_argument("--budget-gib", type=float, default=16.0, help="4.: activation memory for the longest-row line")
+    ap.add_argument("--long-device", default="cpu", help="4.: where the long rows run (cuda: the allocator's peak)")
+    ap.add_argument("--long-dtype", default="float32", help="4.: the model's dtype (bfloat16 on a GPU)")
     ap.add_argument("--long-worker", nargs=2, metavar=("VARIANT", "TOKENS"), help=argparse.SUPPRESS)
     ap.add_argument("--lora", action="store_true", help="instead: step time and memory, full weights vs LoRA")
     ap.add_argument("--publish", action="store_true",
@@ -369,6 +338,7 @@ def main() -> None:
             sizes = [int(x) for x in args.memory_sizes.split(",")]
             report_memory(bench_memory(sizes, args.max_gib), default_tokens)
         if args.memory_part in ("all", "long"):
+            os.environ[trainer_memory.DEVICE_ENV], os.environ[trainer_memory.DTYPE_ENV] = args.long_device, args.long_dtype
             lengths = [int(x) for x in args.long_lengths.split(",")]
             trainer_memory.report(trainer_memory.bench(lengths, args.max_gib, args.dense_max), args.budget_gib)
         return

@@ -47,7 +47,7 @@ def _vm_kib(field: str) -> int:
 
 def step_worker(kind: str, size: str, reps: int) -> None:
     """One process, one variant: prints a JSON line."""
-    from benchmarks.trainer import make_model, make_rows
+    from benchmarks.trainer_models import make_model, make_rows
     from trainer.batching import plan_step
     from trainer.config import TrainConfig
     from trainer.fsdp import init_distributed, load_sharded_model
@@ -97,7 +97,7 @@ def _folder_bytes(path: Path) -> int:
 
 def bench_publish(size: str, reps: int, root: Path) -> dict[str, Any]:
     """Full disk publishes, then adapter publishes, through a real gateway and engine."""
-    from benchmarks.trainer import make_model
+    from benchmarks.trainer_models import make_model
     from rollway.embedded import engine_process, free_port, wait_healthy
     from trainer.checkpoint import export_hf
     from trainer.config import TrainConfig

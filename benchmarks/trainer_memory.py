@@ -24,6 +24,7 @@ activation memory for <= 1.4x the step time.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -35,6 +36,9 @@ LONG_MODEL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, 
                   num_key_value_heads=2, vocab_size=32_000, max_position_embeddings=65_536,
                   tie_word_embeddings=True)  # fmt: skip
 VARIANTS = ("causal", "checkpointed", "dense mask")
+DEVICE_ENV, DTYPE_ENV = "ROLLWAY_LONG_DEVICE", "ROLLWAY_LONG_DTYPE"
+"""`--long-device cuda --long-dtype bfloat16` (benchmarks/trainer.py): the workers run there, and the activation
+memory is the CUDA allocator's peak over the step minus what it held before (model, gradients, AdamW state)."""
 
 
 def _vm_kib(field: str) -> int:
@@ -54,8 +58,11 @@ def worker(variant: str, length: int) -> None:
     from trainer.loss import PolicyInputs, PPOParams, ppo_loss
     from trainer.step import forward_logprobs
 
+    device = torch.device(os.environ.get(DEVICE_ENV, "cpu"))
+    dtype = getattr(torch, os.environ.get(DTYPE_ENV, "float32"))
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**LONG_MODEL, attn_implementation="sdpa")).train()
+    model = Qwen2ForCausalLM(Qwen2Config(**LONG_MODEL, attn_implementation="sdpa")).to(device, dtype).train()
     recompute.install(model, decoder_layers(model), "on" if variant == "checkpointed" else "off", 0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     g = torch.Generator().manual_seed(0)
@@ -63,14 +70,14 @@ def worker(variant: str, length: int) -> None:
     def batch(n: int):  # one row: the first eighth prompt, the rest trained
         mask = [0] * (n // 8) + [1] * (n - n // 8)
         return collate([Row(torch.randint(0, LONG_MODEL["vocab_size"], (n,), generator=g).tolist(), mask,
-                            [-2.0] * n, [1.0] * n, [1.0] * n)])  # fmt: skip
+                            [-2.0] * n, [1.0] * n, [1.0] * n)], device=device)  # fmt: skip
 
     def step(n: int) -> None:
         mb = batch(n)
         with recompute.active(model, mb.n_tokens):
             if variant == "dense mask":
                 t = mb.input_ids.shape[1]
-                mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+                mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()[None, None]
                 mb.packed = None
                 original = model.forward
                 model.forward = lambda **kw: original(**kw, attention_mask=mask)  # type: ignore[method-assign]
@@ -95,13 +102,24 @@ def worker(variant: str, length: int) -> None:
         return t
 
     step(64)  # gradients and AdamW state exist from here on
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    base = _vm_kib("VmRSS")
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(device) // 1024
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        base = _vm_kib("VmRSS")
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step(length)
+    if cuda:
+        torch.cuda.synchronize()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = (_vm_kib("VmHWM") - base) * 1024
+    if cuda:  # wall time is the step's time on a GPU (the CPU only launches kernels)
+        cpu = seconds
+        peak = torch.cuda.max_memory_allocated(device) - base * 1024
+    else:
+        peak = (_vm_kib("VmHWM") - base) * 1024
     print(json.dumps({"variant": variant, "tokens": length, "activation_bytes": peak,
                       "bytes_per_token": peak / length, "saved_bytes": sum(saved.values()),
                       "saved_per_token": sum(saved.values()) / length, "state_bytes": base * 1024, "step_s": seconds,
@@ -124,8 +142,10 @@ def bench(lengths: list[int], max_gib: float, dense_max: int) -> list[dict]:
 
 
 def report(results: list[dict], budget_gib: float) -> None:
-    print(f"\nlong rows on cpu ({torch.get_num_threads()} threads): Qwen2 {LONG_MODEL['num_hidden_layers']} layers, "
-          f"hidden {LONG_MODEL['hidden_size']}, vocab {LONG_MODEL['vocab_size']:,}, float32, fused head; one row a "
+    device, dtype = os.environ.get(DEVICE_ENV, "cpu"), os.environ.get(DTYPE_ENV, "float32")
+    where = f"cpu ({torch.get_num_threads()} threads)" if device == "cpu" else device
+    print(f"\nlong rows on {where}: Qwen2 {LONG_MODEL['num_hidden_layers']} layers, "
+          f"hidden {LONG_MODEL['hidden_size']}, vocab {LONG_MODEL['vocab_size']:,}, {dtype}, fused head; one row a "
           "step; activation = the step's peak minus model, gradients and AdamW state")  # fmt: skip
     head = (f"{'tokens':>7} {'variant':>13} {'activation MiB':>15} {'KiB/token':>10} {'saved KiB/token':>16} "
             f"{'step s':>7} {'cpu s':>7}")
@@ -158,6 +178,7 @@ def report(results: list[dict], budget_gib: float) -> None:
             print(f"longest row in {budget_gib:g} GiB of activations, {variant}: ~{longest[variant]:,} tokens "
                   "(linear in length at the largest measured bytes per token)")  # fmt: skip
     print("targets: checkpointing >= 3x less activation memory for <= 1.4x the step time")
-    print(json.dumps({"benchmark": "trainer_long_memory", "device": "cpu", "threads": torch.get_num_threads(),
+    print(json.dumps({"benchmark": "trainer_long_memory", "device": device, "dtype": dtype,
+                      "threads": torch.get_num_threads(),
                       "model": LONG_MODEL, "results": results, "ratios": ratios, "budget_gib": budget_gib,
                       "longest_row": longest}))  # fmt: skip

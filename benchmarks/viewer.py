@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rollway.embedded import free_port  # noqa: E402
-from rollway.wire import pack  # noqa: E402
+from rollway_common.wire import pack  # noqa: E402
 
 ADMIN = "rw-admin-bench-viewer"
 GROUP_SIZE = 8

@@ -35,7 +35,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.sampling import InvalidRequest, SamplingParams
-from rollway.json_schema_check import unsupported_reason
+from rollway_common.json_schema_check import unsupported_reason
 
 if TYPE_CHECKING:
     import llguidance

@@ -30,7 +30,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from rollway.paths import TOKENIZER_FILES
+from rollway_common.paths import TOKENIZER_FILES
 
 ARCHS: dict[str, type[PreTrainedConfig]] = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
 

@@ -98,6 +98,8 @@ class Stats:
     prefill_computed_rows: int = 0
     """Rows a prefill forward actually computed (identical sequences are computed once: engine/batch.py)."""
     swaps: int = 0
+    released_kv_bytes: int = 0
+    """Bytes of KV cache freed by `/release_memory_occupation` (engine/memory.py), over all releases."""
 
 
 class Scheduler:
@@ -136,6 +138,9 @@ class Scheduler:
         self._pending_swap: tuple[Callable[[], int], Future[Any]] | None = None
         self._stopping = False
         self._dirty: list[_Seq] = []
+        self.released: set[str] = set()
+        """Memory released by `/release_memory_occupation` (engine/memory.py): nothing runs until it is resumed."""
+        self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._thread = threading.Thread(target=self._run, name="rollway-engine", daemon=True)
 
     # ---- called from other threads ------------------------------------------------------------------
@@ -248,8 +253,8 @@ class Scheduler:
         torch.set_grad_enabled(False)
         while not self._stopping:
             idle = not (self._rows or self._waiting or self._pending_swap)
-            self._run_calls(block=self._paused or idle)
-            if self._stopping or self._paused:
+            self._run_calls(block=self._paused or idle or bool(self.released))
+            if self._stopping or self._paused or self.released:
                 continue
             try:
                 self._maybe_swap()
@@ -262,6 +267,49 @@ class Scheduler:
                 log.exception("engine step failed")
                 self._fail_all(f"{type(exc).__name__}: {exc}")
             self._flush()
+
+    def release_memory(self, tags: list[str]) -> int:
+        """On the model thread: free what `tags` name (SGLang's `release_memory_occupation`); the bytes freed.
+        `kv_cache`: the running rows' cache (they go back to the queue and are prefilled again once resumed);
+        `weights`: the served model's tensors (zeros once resumed, until a weight update fills them); `cuda_graph`:
+        nothing here. As SGLang asserts, the server must be idle or paused."""
+        if self._rows and not self._paused:
+            raise RuntimeError("release_memory_occupation should be called only when server is idle.")
+        freed = 0
+        if "kv_cache" in tags and "kv_cache" not in self.released:
+            if self._batch.cache is not None:
+                layers: list[Any] = list(self._batch.cache.layers)
+                for layer in layers:
+                    for t in (getattr(layer, "_k", layer.keys), getattr(layer, "_v", layer.values)):
+                        if t is not None:
+                            freed += t.numel() * t.element_size()
+            for seq in reversed(self._rows):  # retracted: prefilled again after the resume
+                seq.prefilled = True
+                self._waiting.appendleft(seq)
+            self._rows, self._batch = [], DecodeBatch()
+            self.stats.released_kv_bytes += freed
+        if "weights" in tags and "weights" not in self.released:
+            with self._retired_lock:
+                self._retired = None
+            for name, p in self.model.named_parameters():
+                self._weight_shapes[name] = (p.shape, p.dtype)
+                freed += p.numel() * p.element_size()
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.released.update(tags)
+        return freed
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """On the model thread: take back what `release_memory` freed (a tag not released is an error, as in
+        SGLang). The cache is rebuilt by the next prefill; released weights come back as zeros."""
+        missing = [t for t in tags if t not in self.released]
+        if missing:
+            raise RuntimeError(f"{missing} not released: nothing to resume")
+        if "weights" in tags:
+            for name, p in self.model.named_parameters():
+                shape, dtype = self._weight_shapes.pop(name, (p.shape, p.dtype))
+                if p.numel() == 0 and shape.numel():
+                    p.data = torch.zeros(shape, dtype=dtype, device=p.device)
+        self.released.difference_update(tags)
 
     def _request_stop(self) -> None:
         self._stopping = True

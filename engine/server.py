@@ -37,9 +37,11 @@ from engine.lora import (
     select_adapter,
     setup,
 )
+from engine.memory import add_memory_routes
 from engine.protocol import GenerateCall, GenerateSpec, Result, parse_generate
 from engine.sampling import InvalidRequest, UnknownSamplingKey
 from engine.scheduler import GenRequest, Scheduler
+from engine.tensor_sync import add_tensor_routes
 from engine.weight_sync import add_routes as add_weight_sync_routes
 from engine.weights import load_like, load_model
 
@@ -205,7 +207,9 @@ def create_app(
     _add_error_handlers(app)
     _add_routes(app, engine)
     add_liveness_routes(app, engine)
-    add_weight_sync_routes(app, engine, _json_body)  # the process-group path (gloo)
+    sync = add_weight_sync_routes(app, engine, _json_body)  # the process-group path (gloo)
+    add_tensor_routes(app, sync, _json_body)  # the tensor path (same machine: shared memory / CUDA IPC)
+    add_memory_routes(app, engine, _json_body)  # colocated: free the cache for the trainer's step
     app.add_middleware(GenerateRoute, engine=engine)
     if api_key or admin_api_key:  # added last: the outermost, before /generate's fast path too
         app.add_middleware(ApiKeys, api_key=api_key, admin_api_key=admin_api_key)

@@ -24,13 +24,8 @@ import torch
 import torch.distributed as dist
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from torch.distributed.distributed_c10d import (
-    GroupName,
-    PrefixStore,
-    _new_process_group_helper,
-    _world,
-    rendezvous,
-)
+
+from rollway_common.process_group import init_custom_process_group
 
 log = logging.getLogger(__name__)
 DEFAULT_GROUP = "weight_update_group"
@@ -38,19 +33,6 @@ DEFAULT_GROUP = "weight_update_group"
 
 def timeout_s() -> float:
     return float(os.environ.get("ROLLWAY_WEIGHT_SYNC_TIMEOUT", "120"))
-
-
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout: timedelta) -> dist.ProcessGroup:
-    """A process group apart from the default one, rendezvoused at `init_method` (the trainer's TCP store): the
-    way SGLang's `init_custom_process_group` makes it, so either side can be SGLang."""
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=GroupName(group_name),
-                                    timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from gateway.errors import Forbidden, NotFound, Unauthorized
+from gateway.services import services
 from gateway.store.store import SessionAuth
 
 
@@ -27,14 +28,14 @@ def bearer(request: Request) -> str | None:
 
 
 def is_admin_key(request: Request, key: str | None) -> bool:
-    admin: str = request.app.state.admin_key
+    admin: str = services(request).admin_key
     return key is not None and hmac.compare_digest(key.encode(), admin.encode())
 
 
 async def refuse_viewer_key(request: Request, key: str) -> None:
     """A viewer key (issue 16) opens only the read-only /ui pages: 403 on every other route. Asked only once a
     key is neither the admin's nor a session's, so the calls of those keys pay nothing for it."""
-    if await request.app.state.store.viewer_key_id(key) is not None:
+    if await services(request).store.viewer_key_id(key) is not None:
         raise Forbidden("a viewer key is read-only and opens only the /ui pages; this route needs the admin key "
                         "or a session key")
 
@@ -46,7 +47,7 @@ async def admin(request: Request) -> None:
         raise Unauthorized("missing bearer key: send the admin key as 'Authorization: Bearer <key>'")
     if is_admin_key(request, key):
         return
-    if await request.app.state.store.session_auth(key=key) is None:
+    if await services(request).store.session_auth(key=key) is None:
         await refuse_viewer_key(request, key)
         raise Unauthorized("unknown API key")
     raise Forbidden("this route needs the admin key; a session key cannot use it")
@@ -62,7 +63,7 @@ def api_key(request: Request) -> str | None:
 async def chat_session(request: Request, session_id: str | None, *, anthropic: bool = False) -> SessionAuth:
     """The session of an OpenAI call: by path id (no key needed: the id is the secret) or by key.
     `anthropic`: an Anthropic Messages call, whose key may also come as `x-api-key`."""
-    store = request.app.state.store
+    store = services(request).store
     if session_id is not None:
         auth = await store.session_auth(session_id=session_id)
         if auth is None:
@@ -102,7 +103,7 @@ async def admin_or_session(request: Request, session_id: str) -> Caller:
         raise Unauthorized("missing bearer key")
     if is_admin_key(request, key):
         return Caller(True, None)
-    auth = await request.app.state.store.session_auth(key=key)
+    auth = await services(request).store.session_auth(key=key)
     if auth is None:
         await refuse_viewer_key(request, key)
         raise Unauthorized("unknown API key")

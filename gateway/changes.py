@@ -2,7 +2,7 @@
 `wait_seconds`) and a runner waiting for room under the staleness budget (`POST /v1/groups` with
 `wait_seconds`).
 
-Two channels, on `app.state`:
+Two channels, on `Serving` (gateway/services.py):
 - `completions`: a group completed (the store's `on_group_end`). Every waiting lease looks again (`notify`).
 - `budget`: room may have opened under the staleness budget (a version published, a group dropped: filtered,
   abandoned, too few sessions). One waiting creation at a time looks (`notify_one`, oldest first); one that gets

@@ -22,6 +22,7 @@ from fastapi import Request
 
 from gateway.generation import Generation, generate
 from gateway.pool import BackendPool
+from gateway.services import services, serving
 from gateway.sglang import BackendError
 from gateway.turns import FinishedTurn, PreparedTurn, TurnService
 
@@ -40,20 +41,21 @@ _aborts: set[asyncio.Task[None]] = set()
 async def run_to_end(request: Request, prepared: PreparedTurn) -> tuple[Generation, FinishedTurn]:
     """Non-streaming generation, then the durable store of the turn; a client gone meanwhile aborts the
     backend request and leaves the partial turn recorded (`client_disconnected`)."""
-    state = request.app.state
+    on = serving(request)
+    settings = services(request).settings
     gen = Generation()
-    watch = _Watch(request, gen, state.pool)
+    watch = _Watch(request, gen, on.pool)
     try:
         async for _ in generate(
-            state.pool, session_id=prepared.auth.id, group_id=prepared.auth.group_id,
+            on.pool, session_id=prepared.auth.id, group_id=prepared.auth.group_id,
             prompt_ids=prepared.prompt_ids, sampling=prepared.sampling, max_new_tokens=prepared.max_new_tokens,
-            top_logprobs=prepared.req.top_logprobs, stream=False, max_resubmits=state.settings.max_resubmits,
+            top_logprobs=prepared.req.top_logprobs, stream=False, max_resubmits=settings.max_resubmits,
             out=gen,
         ):
             pass
     finally:
         watch.stop()
-    turns: TurnService = state.turns
+    turns: TurnService = on.turns
     finished = await turns.finish(prepared, gen, client_disconnected=gen.client_gone)
     if gen.client_gone:
         log.info("client left turn %s after %d tokens: backend request aborted, partial turn stored",

@@ -101,7 +101,7 @@ class ServiceUnavailable(GatewayError):
     code = "backend_unavailable"
 
 
-# --- Anthropic's shape, on the Messages routes (gateway.anthropic_errors) ---------------------------------
+# --- Anthropic's shape, on the Messages routes (gateway.anthropic.errors) ---------------------------------
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -69,10 +70,12 @@ class Metrics:
 
 class RequestMetrics:
     """ASGI middleware: counts every HTTP request by route template and status, and times it (a stream to
-    its last chunk). Routes are templates (`/v1/sessions/{session_id}`), so labels stay few."""
+    its last chunk). Routes are templates (`/v1/sessions/{session_id}`), so labels stay few. `find_metrics`
+    gives the app's metrics for a request's scope (None while there are none)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, find_metrics: Callable[[Any], Metrics | None]) -> None:
         self.app = app
+        self.find_metrics = find_metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -90,7 +93,7 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            metrics: Metrics | None = getattr(scope["app"].state, "metrics", None)
+            metrics = self.find_metrics(scope)
             if metrics is not None:
                 route = getattr(scope.get("route"), "path", "unmatched")
                 metrics.requests.labels(route, str(status)).inc()

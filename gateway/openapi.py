@@ -68,7 +68,7 @@ def _operations() -> dict[tuple[str, str], Operation]:
     from gateway.routes.training import AckBody, LeaseBody, PublishBody, RenewBody
     from gateway.routes.training_reports import TrainingStepBody
     from gateway.routes.viewer_keys import CreateViewerKey
-    from gateway.weight_sync import SyncBody, SyncInitBody
+    from gateway.routes.weight_sync import MemoryBody, SyncBody, SyncInitBody
 
     sessions_query = (
         Query("state", {"type": "string", "enum": ["active", "finished", "abandoned"]}, "only sessions in this state"),
@@ -118,6 +118,11 @@ def _operations() -> dict[tuple[str, str], Operation]:
                                                 "admin", 200, (*BODY, *ADMIN, 409, *STORE), SyncBody),
         ("GET", "/v1/weights/sync"): Operation("The weight sync in progress, if any", "admin", 200,
                                                (*ADMIN, *STORE)),
+        # A trainer colocated with its servers (docs/http-api.md): pause + /release_memory_occupation, and back.
+        ("POST", "/v1/weights/memory/release"): Operation("Pause every backend and release its memory (tags)",
+                                                          "admin", 200, (*BODY, *ADMIN), MemoryBody),
+        ("POST", "/v1/weights/memory/resume"): Operation("Resume every backend's memory and continue", "admin", 200,
+                                                         (*BODY, *ADMIN), MemoryBody),
         ("GET", "/v1/backends"): Operation("The inference servers", "admin", 200, ADMIN),
         ("POST", "/v1/backends"): Operation("Add an inference server", "admin", 201,
                                             (*BODY, *ADMIN, *STORE), AddBackend),
@@ -147,7 +152,7 @@ def _operations() -> dict[tuple[str, str], Operation]:
             op.summary + "; the session by the id in the path (no key)", "session_path", op.ok,
             (404, *op.errors), op.body)
     # Anthropic's Messages API (errors in Anthropic's shape: a 503 is its 529 overloaded_error).
-    from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
+    from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 
     anthropic = {
         ("POST", "/v1/messages"): Operation("Anthropic Messages API (recorded)", "session", 200,

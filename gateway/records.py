@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from gateway.store.store import TurnRow
-from gateway.wire import unpack
+from rollway_common.wire import unpack
 
 
 def _looks_failed(result: str | None) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.store.leases import LeaseRequest
 from gateway.store.store import TurnRow
-from gateway.wire import LEASE_FORMAT, encode_array, unpack
+from rollway_common.wire import LEASE_FORMAT, encode_array, unpack
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ import orjson
 
 from gateway.continuity import Candidate, ParentIndex
 from gateway.store.store import Store, TurnRow
-from gateway.wire import unpack
+from rollway_common.wire import unpack
 
 PROMPT_TEXTS_KEPT = 2
 """Rendered prompts kept per session (a turn extending one of these renders one template less; one extending an

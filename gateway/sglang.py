@@ -282,6 +282,13 @@ class SGLangClient:
             await self.weight_call("/begin_weight_update", {}, timeout)
         return True
 
+    async def memory_occupation(self, action: Literal["release", "resume"], tags: list[str] | None,
+                                timeout: float) -> None:
+        """`POST /release_memory_occupation` or `/resume_memory_occupation` with SGLang's `{tags}` body (a colocated
+        trainer's step, docs/scaling.md "One device"). SGLang answers 200 with no body, 400 with an error."""
+        limit = aiohttp.ClientTimeout(total=timeout, sock_connect=self._connect_timeout)
+        await self._call("POST", f"/{action}_memory_occupation", {"tags": tags}, limit)
+
     async def weight_session_close(self, timeout: float) -> None:
         """`POST /end_weight_update` (after a failed update too: a session left open refuses the next begin)."""
         await self.weight_call("/end_weight_update", {}, timeout)

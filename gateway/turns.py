@@ -33,13 +33,14 @@ from gateway.errors import BadRequest, Conflict, ContextLengthExceeded
 from gateway.generation import Generation
 from gateway.metrics import Metrics
 from gateway.sessions_cache import SessionCache, SessionView, share_messages
+from gateway.store.models import TurnRecord
 from gateway.store.requests import delta, shared_prefix
 from gateway.store.store import SessionAuth, Store, unique_id
 from gateway.templating import ChatTemplate
 from gateway.tool_grammar import ForcedTools, resolve_tool_choice, structural_tag
 from gateway.tool_parsers import ParsedReply, ReplyParser
-from gateway.wire import pack
-from rollway.json_schema_check import unsupported_reason
+from rollway_common.json_schema_check import unsupported_reason
+from rollway_common.wire import pack
 
 T = TypeVar("T")
 
@@ -145,6 +146,12 @@ class TurnRequest:
     """Size of the request body: a big one is prepared off the event loop (BIG_BODY_BYTES)."""
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """The request's chat_template_kwargs (the settings' defaults are added in `prepare`)."""
+    new_chain_reason: str | None = None
+    """Set: the prompt is rendered whole as a new chain with this reason, whatever turn it would extend (an
+    Anthropic context edit changed what the model sees of the history)."""
+    fit_to_context: bool = False
+    """A max_tokens over what the context leaves is cut to it rather than refused (Anthropic's Messages API,
+    whose reply then stops with `model_context_window_exceeded`)."""
 
 
 @dataclass(slots=True)
@@ -220,7 +227,14 @@ class TurnService:
 
     async def prepare(self, auth: SessionAuth, req: TurnRequest, *, max_session_tokens: int | None = None) -> PreparedTurn:
         """`max_session_tokens`: refuse the turn when the tokens the session recorded so far plus its prompt
-        exceed it (Settings.max_session_tokens)."""
+        exceed it (Settings.max_session_tokens). A refusal's `param` names the caller's field (`caller_param`)."""
+        try:
+            return await self._prepare(auth, req, max_session_tokens)
+        except BadRequest as e:
+            e.param = caller_param(req.endpoint, e.param)
+            raise
+
+    async def _prepare(self, auth: SessionAuth, req: TurnRequest, max_session_tokens: int | None) -> PreparedTurn:
         if auth.state != "active":
             raise Conflict(f"session {auth.id} is {auth.state}; it takes no more turns", code="session_ended")
         if req.json_schema is not None:
@@ -249,7 +263,7 @@ class TurnService:
             parent_id, reason, prompt, delta, text, digest = self._continue(view, req)
         if max_session_tokens is not None and recorded + len(prompt) > max_session_tokens:
             raise _session_full(auth.id, recorded, len(prompt), max_session_tokens, req)
-        max_new = self._budget(len(prompt), req.max_tokens)
+        max_new = self._budget(len(prompt), req.max_tokens, req.fit_to_context)
         sampling, temperature = self._sampling(auth.sampling, req)
         if req.forced is not None:
             sampling["structural_tag"] = self._tool_grammar(req, text)
@@ -263,11 +277,10 @@ class TurnService:
 
     def _tool_grammar(self, req: TurnRequest, prompt_text: str | None) -> str:
         """The structural tag of a forced tool_choice (gateway/tool_grammar.py). When the generation prompt
-        opened the reasoning block, the reply first closes it, freely."""
+        opened the reasoning block, the reply first closes it, freely. With a JSON schema too (response_format,
+        text.format, output_config.format) the forced call wins, as on OpenAI's and Anthropic's APIs: the schema
+        is for text output, and a forced reply holds none (`_sampling` leaves it out)."""
         assert req.forced is not None
-        if req.json_schema is not None:
-            raise BadRequest("response_format and a forced tool_choice cannot be combined: the reply is either "
-                             "JSON or tool calls", param="response_format")
         rp = self.template.reasoning_parser
         close = rp.close if rp is not None and self.reasoning and self.template.opens_reasoning(prompt_text) else None
         return structural_tag(self.template.formats.tool_parser, req.tools or [], req.forced, reasoning_close=close)
@@ -329,7 +342,9 @@ class TurnService:
         template = self._worker_template() if big else self.template
         kwargs = self.kwargs_of(req)
         choice, parent, digest = view.index.find(view.candidates, req.messages, req.tools, kwargs)
-        if parent is not None:
+        if req.new_chain_reason is not None and parent is not None:  # it would have extended that turn
+            reason: str | None = req.new_chain_reason
+        elif parent is not None:
             n_prev = len(parent.messages)
             share_messages(req.messages, parent.messages)  # the view then keeps each message once
             check = None
@@ -342,7 +357,7 @@ class TurnService:
             if ext is not None:
                 ids, text = ext
                 return parent.turn_id, None, [*view.full_ids(parent.turn_id), *ids], ids, text, digest
-            reason: str | None = "template_not_prefix_stable"
+            reason = "template_not_prefix_stable"
         else:
             reason = choice.reason
         if not big:
@@ -380,7 +395,7 @@ class TurnService:
             self._renders.move_to_end(key)
         return list(hit[0]), hit[1]
 
-    def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
+    def _budget(self, prompt_len: int, max_tokens: int | None, fit: bool = False) -> int:
         ctx = self.context_length
         if prompt_len >= ctx:
             raise ContextLengthExceeded(
@@ -389,6 +404,8 @@ class TurnService:
         if max_tokens is None:
             return ctx - prompt_len
         if prompt_len + max_tokens > ctx:
+            if fit:
+                return ctx - prompt_len
             raise ContextLengthExceeded(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's context "
                 f"length of {ctx} tokens",
@@ -416,7 +433,7 @@ class TurnService:
             params["sampling_seed"] = int(seed)
         if req.stop:
             params["stop"] = req.stop
-        if req.json_schema is not None:
+        if req.json_schema is not None and req.forced is None:  # a forced tool call's grammar wins (_tool_grammar)
             params["json_schema"] = req.json_schema
         # Behaviour logprobs of greedy decoding are reported at T = 1 (docs/sglang-contract.md "Logprobs").
         return params, temperature if temperature > 0 else 1.0
@@ -465,7 +482,7 @@ class TurnService:
         reply = {} if raw_only or (client_disconnected and not gen.ids) else self.template.assistant_message(parsed)
         if raw_only:
             reply = {"role": "assistant", "content": text}
-        values = dict(
+        record = TurnRecord(
             id=p.turn_id,
             parent_id=p.parent_id,
             endpoint=p.req.endpoint,
@@ -493,7 +510,7 @@ class TurnService:
             },
         )
         # Shielded: a client that goes away while we commit must not cancel the commit.
-        seq = await asyncio.shield(self.store.insert_turn(p.auth.id, values))
+        seq = await asyncio.shield(self.store.insert_turn(p.auth.id, record))
         if raw_only and p.view is not None and p.view.turn_count == seq - 1:
             # A raw completion is no parent (no messages), but its ids count toward the session's tokens.
             # The view stays current, as a reload from the store would build it; handing the cache a turn
@@ -544,10 +561,27 @@ def tools_for_choice(
 
 SCHEMA_PARAM = {"responses": "text.format", "messages": "output_config.format"}
 """The field that carries a turn's json_schema, by endpoint (chat and completions: response_format)."""
+_CALLER_FIELDS = {
+    "responses": {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"},
+    "messages": {"response_format": "output_config.format"},
+}
+"""Chat Completions' field names, as the turn service raises them, by what each endpoint calls them."""
+
+
+def caller_param(endpoint: str, param: str | None) -> str | None:
+    """`param` as the endpoint's caller names it: the turn service speaks Chat Completions' fields (`messages`,
+    `max_tokens`), which a Responses caller sends as `input` and `max_output_tokens`. A message index of the
+    translated conversation is not the caller's item index: it becomes the whole field."""
+    names = _CALLER_FIELDS.get(endpoint)
+    if param is None or names is None:
+        return param
+    if param.startswith("messages."):
+        return names.get("messages", param)
+    return names.get(param, param)
 
 
 def _check_json_schema(req: TurnRequest) -> None:
-    """Refuse up front what SGLang 0.5.23 refuses in a `json_schema` grammar (rollway/json_schema_check.py), so
+    """Refuse up front what SGLang 0.5.23 refuses in a `json_schema` grammar (rollway_common/json_schema_check.py), so
     the answer does not depend on the backend; forced tool calls' schemas (in a structural_tag) are not checked,
     as SGLang does not check them."""
     try:

@@ -1,5 +1,6 @@
 """Publishing weights over torch process groups: the gateway coordinates, the trainer broadcasts (docs/http-api.md
-"Weight sync over process groups"; the trainer's side is trainer/weight_sync.py).
+"Weight sync over process groups"; the trainer's side is trainer/weight_sync.py; the routes are
+gateway/routes/weight_sync.py).
 
     POST /v1/weights/sync/init {version, master_address, backend, timeout_s}
         -> {sync_id, groups: [{group_name, world_size, backend_id}]}     the publish lock is now held for the trainer
@@ -18,26 +19,31 @@ there is no folder to load it from, so such backends (and those added or restart
 `GET /v1/weights/sync` as `awaiting_backends`, and the trainer sends them the version it last published with a
 **catch-up** (`catch_up: true` on init): the same steps on those backends alone, the others generating on, no new
 version recorded and no batch acked. The next publish includes them too.
+
+**The tensor path** (`backend: "tensor"`, trainer/tensor_sync.py): a trainer on the servers' machine sends, instead
+of ports, one `/update_weights_from_tensor` payload per bucket and TP rank for each backend (`tensors`; SGLang's
+serialized handles to the trainer's shared memory or CUDA IPC memory, a few hundred bytes each). The same steps
+without a group: mark, begin, one `/update_weights_from_tensor` per bucket (the version on the last), end. Such
+handles open only on the machine that made them, so init refuses (400) a trainer whose `host_id` (its kernel's
+boot id) is not this gateway's, and a backend whose URL is not an address of this host.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from functools import cache
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
-from pydantic import Field
-
-from gateway.auth import admin
 from gateway.errors import BadRequest, Conflict, ServiceUnavailable
 from gateway.pool import Backend
-from gateway.protocol import INT32_MAX, Strict
-from gateway.routes.common import json_response, read_body
 from gateway.sglang import BackendError
 
 log = logging.getLogger("rollway.gateway")
@@ -59,6 +65,53 @@ async def refuse_partial(backend: Backend) -> None:
         return
     if reported.endswith("-partial"):
         raise AwaitingWeights(f"it holds part of an update ({reported}): it gets a whole version at the next publish")
+
+
+@cache
+def host_id() -> str:
+    """This machine's kernel boot id (the same in every container on one host: what shared memory and CUDA IPC
+    need); empty where the system has none."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+@cache
+def _own_addresses() -> frozenset[str]:
+    found: set[str] = set()
+    for name in {socket.gethostname(), socket.getfqdn()}:
+        try:
+            found.update(str(info[4][0]) for info in socket.getaddrinfo(name, None))
+        except OSError:
+            pass
+    return frozenset(found)
+
+
+async def is_local(url: str) -> bool:
+    """Whether `url`'s host is this machine: a loopback address or one of this host's own addresses."""
+    host = urlsplit(url).hostname or ""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+    except OSError:
+        return False
+    addresses = {str(info[4][0]) for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback or a in _own_addresses()
+                                   for a in addresses)
+
+
+async def check_same_machine(trainer_host_id: str | None, targets: list[Target]) -> None:
+    """BadRequest unless the trainer and every target backend are on this gateway's machine (the tensor path)."""
+    mine = host_id()
+    if not trainer_host_id or not mine or trainer_host_id != mine:
+        raise BadRequest(f"--weight-sync tensor needs the trainer on the servers' machine: the trainer's host_id "
+                         f"{trainer_host_id or '(none)'} is not this gateway's ({mine or 'unknown'}); use "
+                         "--weight-sync distributed or disk across machines", param="host_id")
+    remote = [t.backend for t, ok in zip(targets, await asyncio.gather(*(is_local(t.backend.url) for t in targets)),
+                                         strict=True) if not ok]
+    if remote:
+        raise BadRequest("--weight-sync tensor hands memory handles to servers on this machine only; not local: "
+                         + ", ".join(f"{b.id} ({b.url})" for b in remote), param="backend")
 
 
 @dataclass(eq=False)
@@ -87,6 +140,8 @@ class Plan:
     released: bool = False
     catch_up: bool = False
     """The current version again, to the backends that lack it only: nothing recorded, the others untouched."""
+    tensors: dict[str, list[list[str]]] = field(default_factory=dict, repr=False)
+    """The tensor path: per group, per bucket, one serialized payload per TP rank."""
 
 
 class ProcessGroupSync:
@@ -97,7 +152,7 @@ class ProcessGroupSync:
         self.plan: Plan | None = None
 
     async def init(self, version: int, master_address: str, backend: str, timeout: float,
-                   catch_up: bool = False) -> dict[str, Any]:
+                   catch_up: bool = False, host_id: str | None = None) -> dict[str, Any]:
         if not catch_up:
             await self.publisher.leases.check_publishable(version, [])
         lock = self.publisher._lock
@@ -116,6 +171,8 @@ class ProcessGroupSync:
                 targets = await self._targets(version, uuid.uuid4().hex[:8])
                 if not targets:
                     raise ServiceUnavailable("no backend answers /health: nothing to publish to", retry_after=10)
+            if backend == "tensor":
+                await check_same_machine(host_id, targets)
         except BaseException:
             if lock.locked():
                 lock.release()
@@ -176,7 +233,8 @@ class ProcessGroupSync:
             self.publisher._lock.release()
 
     async def sync(self, sync_id: str, version: int, ports: dict[str, int], buckets: list[dict[str, Any]],
-                   batch_ids: list[str], results: dict[str, str]) -> dict[str, Any]:
+                   batch_ids: list[str], results: dict[str, str],
+                   tensors: dict[str, list[list[str]]] | None = None) -> dict[str, Any]:
         plan = self.plan
         if plan is None or plan.sync_id != sync_id or plan.released:
             raise Conflict(f"no pending weight sync {sync_id} (expired, or another one started)", param="sync_id")
@@ -185,6 +243,15 @@ class ProcessGroupSync:
         try:
             if version != plan.version:
                 raise BadRequest(f"version {version} is not the planned {plan.version}", param="version")
+            if plan.backend == "tensor":
+                tensors = tensors or {}
+                for t in plan.targets:
+                    got = tensors.get(t.group_name)
+                    if got is None or len(got) != len(buckets) or any(len(e) != t.world_size - 1 for e in got):
+                        raise BadRequest(f"group {t.group_name} needs one payload per TP rank ({t.world_size - 1}) for "
+                                         f"each of the {len(buckets)} buckets", param="tensors")
+                ports = {t.group_name: 0 for t in plan.targets}
+                plan.tensors = tensors
             missing = [t.group_name for t in plan.targets if t.group_name not in ports]
             if missing:
                 raise BadRequest(f"no port for groups {missing}", param="ports")
@@ -253,6 +320,8 @@ class ProcessGroupSync:
                 "failed_backends": failed, "backends": [t.backend.id for t in ok]}
 
     async def _update(self, t: Target, plan: Plan, port: int, buckets: list[dict[str, Any]]) -> None:
+        if plan.backend == "tensor":
+            return await self._update_from_tensor(t, plan, buckets)
         client, timeout, joined, session = t.backend.client, plan.timeout + 10, False, False
         try:
             t.stage = "mark"  # until every bucket is in, the server says so in /model_info (survives our restart)
@@ -291,6 +360,38 @@ class ProcessGroupSync:
                 except BackendError as e:  # a dead server has nothing left to destroy
                     log.debug("destroying group %s: %s", t.group_name, e)
 
+    async def _update_from_tensor(self, t: Target, plan: Plan, buckets: list[dict[str, Any]]) -> None:
+        """The tensor path on one backend: mark, begin, one `/update_weights_from_tensor` per bucket, end."""
+        client, timeout, session = t.backend.client, plan.timeout + 10, False
+        payloads = plan.tensors[t.group_name]
+        try:
+            t.stage = "mark"
+            await client.weight_call("/update_weight_version",
+                                     {"new_version": f"{plan.version}-partial", "abort_all_requests": False}, timeout)
+            t.stage = "begin"
+            session = await client.weight_session_open(timeout)
+            t.stage = "buckets"
+            for i, entries in enumerate(payloads):
+                last = i == len(payloads) - 1
+                body: dict[str, Any] = {"serialized_named_tensors": entries, "load_format": "flattened_bucket",
+                                        "flush_cache": last, "abort_all_requests": False}
+                if last:
+                    body["weight_version"] = str(plan.version)
+                await client.weight_call("/update_weights_from_tensor", body, timeout)
+                t.buckets_done = i + 1
+            if session:
+                t.stage, session = "end", False
+                await client.weight_session_close(timeout)
+            t.stage = "done"
+        except BackendError as e:
+            t.error = f"{t.stage}: {e}"
+        finally:
+            if session:
+                try:
+                    await client.weight_session_close(10.0)
+                except BackendError as e:
+                    log.debug("ending the weight-update session on %s: %s", t.backend.id, e)
+
     async def progress(self) -> dict[str, Any]:
         plan = self.plan
         current, path = await self.publisher.leases.current_weights()
@@ -312,72 +413,3 @@ async def _each(targets: list[Target], fn: Any) -> None:
             log.warning("backend %s: %s", t.backend.id, e)
 
     await asyncio.gather(*(one(t) for t in targets))
-
-
-# -- routes ----------------------------------------------------------------------------------------------------
-
-router = APIRouter()
-
-
-class SyncInitBody(Strict):
-    version: int = Field(ge=1, le=INT32_MAX)
-    master_address: str = Field(min_length=1, max_length=255)
-    """The trainer's host as the inference servers reach it (their TCP stores connect there)."""
-    backend: Literal["gloo", "nccl"] = "nccl"
-    timeout_s: float = Field(default=120.0, gt=0, le=3600)
-    """Each collective's and each server call's limit."""
-    catch_up: bool = False
-    """Send the current `version` again, only to the backends that lack it (`awaiting_backends`)."""
-
-
-class Manifest(Strict):
-    names: list[str] = Field(min_length=1, max_length=100_000)
-    dtypes: list[str] = Field(min_length=1, max_length=100_000)
-    shapes: list[list[int]] = Field(min_length=1, max_length=100_000)
-
-
-class SyncBody(Strict):
-    sync_id: str = Field(min_length=1, max_length=64)
-    version: int = Field(ge=1, le=INT32_MAX)
-    ports: dict[str, int] = Field(default_factory=dict)
-    """group_name -> the port of the trainer's TCP store for that group."""
-    buckets: list[Manifest] = Field(min_length=1, max_length=100_000)
-    batch_ids: list[str] = Field(default_factory=list)
-    results: dict[str, str] = Field(default_factory=dict)
-
-
-def _sync(request: Request) -> ProcessGroupSync:
-    state = request.app.state
-    if getattr(state, "weight_sync", None) is None:
-        state.weight_sync = ProcessGroupSync(state.publisher)
-    sync: ProcessGroupSync = state.weight_sync
-    return sync
-
-
-@router.post("/v1/weights/sync/init")
-async def sync_init(request: Request) -> Response:
-    await admin(request)
-    body = await read_body(request, SyncInitBody)
-    await request.app.state.registry.reload()  # backends another gateway added take part
-    return json_response(await _sync(request).init(body.version, body.master_address, body.backend, body.timeout_s,
-                                                   body.catch_up))
-
-
-@router.post("/v1/weights/sync")
-async def sync(request: Request) -> Response:
-    await admin(request)
-    body = await read_body(request, SyncBody)
-    for b in body.buckets:
-        if not (len(b.names) == len(b.dtypes) == len(b.shapes)):
-            raise BadRequest("each bucket needs as many dtypes and shapes as names", param="buckets")
-    out = await _sync(request).sync(body.sync_id, body.version, body.ports, [b.model_dump() for b in body.buckets],
-                                    body.batch_ids, body.results)
-    if not out.get("catch_up"):
-        request.app.state.budget.notify_one()  # a new version widens the staleness budget
-    return json_response(out)
-
-
-@router.get("/v1/weights/sync")
-async def sync_progress(request: Request) -> Response:
-    await admin(request)
-    return json_response(await _sync(request).progress())

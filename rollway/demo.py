@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,8 @@ from tqdm import tqdm
 
 from rollway.embedded import die_with_parent, engine_process, free_port, stop, wait_healthy
 from rollway.keys import admin_key
-from rollway.paths import agent_file
 from rollway.rollout import Runner, append_line, load_agent, load_tasks, run_async, run_eval
+from rollway_common.paths import agent_file
 
 # Tuned on this 2-core machine (see the closing notes of the trainer issue for the sweep).
 SFT_EXAMPLES = 1000  # the training tasks only; the held-out tasks are never seen
@@ -141,10 +143,122 @@ class _StepTail:
         return [json.loads(line) for line in lines if line.strip()]
 
 
+def arithmetic_runner(gateway: str, key: str) -> Runner:
+    """The demo's agent (agents/arithmetic.py) through `gateway`, with room for every session in flight."""
+    return Runner(gateway, key, load_agent(agent_file("arithmetic.py")), concurrency=GROUPS_IN_FLIGHT * N_SAMPLES)
+
+
+def train_command(gateway: str, model: Path, out: Path, *, seed: int, nproc: int = 1, steps: int = 0,
+                  lora: int = 0) -> list[str]:
+    """`rollway train` with the demo's RL settings (benchmarks/loop.py runs the same command)."""
+    cmd = [sys.executable, "-m", "rollway.cli", "train", "--gateway", gateway, "--model", str(model),
+           "--out", str(out), "--nproc", str(nproc), "--seed", str(seed),
+           "--groups-per-step", str(GROUPS_PER_STEP), "--max-head-offpolicyness", str(ETA),
+           "--lr", str(RL_LR), "--adv-std-norm", "true", "--wait-seconds", "5", "--checkpoint-every", "50",
+           "--steps", str(steps)]
+    if lora:  # an adapter learns with a larger step than full weights
+        cmd += ["--lora-rank", str(lora), "--lora-targets", ",".join(LORA_TARGETS), "--lr", str(LORA_LR)]
+    return cmd
+
+
+class RLHooks:
+    """What the RL loop (`keep_groups_running`) reports while it runs, for its caller to record: the demo's
+    progress bar, benchmarks/loop.py's timestamps and CPU windows. `clock` is the loop's time source: its
+    deadline and every time it reports are read from it. Each method does nothing here."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+
+    def started(self, t0: float) -> None:
+        """The first group is about to be requested; the loop's seconds count from `t0`."""
+
+    def group_done(self, t: float, rewards: list[float | None] | None, error: BaseException | None) -> None:
+        """A group ended (seen at `t`): its sessions' rewards (None: a failed session), or the error that ended it."""
+
+    def polled(self, t: float) -> None:
+        """After each wait for finished groups (at most 0.5 s), once those are reported."""
+
+    def ended(self, t_end: float) -> None:
+        """The loop ended by itself (its time was up, or the trainer exited): before the trainer is stopped."""
+
+
+@dataclass
+class RLRun:
+    t0: float  # the clock's reading when the first group was requested
+    t_end: float  # when the loop ended by itself
+    groups_failed: int
+    first_error: str  # repr of the first failed group's error ("" when none failed)
+    trainer_rc: int | None  # the trainer's exit status when it ended by itself; None when the loop stopped it
+
+
+async def keep_groups_running(runner: Runner, trainer: subprocess.Popen[bytes], tasks: list[dict[str, Any]],
+                              seconds: float, hooks: RLHooks | None = None) -> RLRun:
+    """The demo's RL loop: GROUPS_IN_FLIGHT groups of N_SAMPLES sessions kept running (tasks in order, cycled)
+    for `seconds` or until the trainer exits; then the trainer is stopped and the unfinished groups cancelled
+    (also when the loop is interrupted). A failed group (e.g. a dropped connection) is counted, not fatal."""
+    hooks = hooks or RLHooks()
+    clock = hooks.clock
+    i = failed = 0
+    first_error = ""
+    in_flight: set[asyncio.Task[list[float | None]]] = set()
+    t0 = clock()
+    deadline = t0 + seconds
+    hooks.started(t0)
+    try:
+        while trainer.poll() is None and clock() < deadline:
+            while len(in_flight) < GROUPS_IN_FLIGHT:
+                in_flight.add(asyncio.ensure_future(runner.run_group(tasks[i % len(tasks)], N_SAMPLES)))
+                i += 1
+            done, in_flight = await asyncio.wait(in_flight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+            now = clock()
+            for d in done:
+                error = d.exception()
+                if error is not None:
+                    failed += 1
+                    first_error = first_error or repr(error)
+                hooks.group_done(now, None if error is not None else d.result(), error)
+            hooks.polled(now)
+        t_end = clock()
+        hooks.ended(t_end)
+    finally:
+        trainer_rc = trainer.poll()  # None: still running, stopped here (its time was up)
+        if trainer_rc is None:
+            stop(trainer, timeout=60)
+        for t in in_flight:
+            t.cancel()
+        await asyncio.gather(*in_flight, return_exceptions=True)
+    return RLRun(t0, t_end, failed, first_error, trainer_rc)
+
+
+class _Progress(RLHooks):
+    """The demo's view of its RL loop: a bar of the trainer's steps and its latest reward (from its
+    metrics.jsonl), and the first few failed groups logged."""
+
+    def __init__(self, metrics: Path, steps: int) -> None:
+        super().__init__()
+        self.metrics = _StepTail(metrics)
+        self.bar = tqdm(total=steps or None, desc="RL steps", unit="step")
+        self.failed = 0
+
+    def group_done(self, t: float, rewards: list[float | None] | None, error: BaseException | None) -> None:
+        if error is not None:
+            self.failed += 1
+            if self.failed <= 3:
+                _log(f"a group failed: {error!r}")
+
+    def polled(self, t: float) -> None:
+        rows = self.metrics.new_rows()
+        if rows:
+            self.bar.update(len(rows))
+            self.bar.set_postfix(reward=f"{rows[-1].get('reward_mean', 0):.3f}")
+
+    def ended(self, t_end: float) -> None:
+        self.bar.close()  # before the trainer is stopped, which can take seconds
+
+
 async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str], out: Path, seconds: float,
               steps: int, tasks: list[dict[str, Any]], eval_tasks: list[dict[str, Any]]) -> dict[str, Any]:
-    agent = load_agent(agent_file("arithmetic.py"))
-    runner = Runner(gateway, key, agent, concurrency=GROUPS_IN_FLIGHT * N_SAMPLES)
+    runner = arithmetic_runner(gateway, key)
     log = open(out / "trainer.log", "ab")
     # Started first, so its start-up (torchrun, imports, loading the model: ~5-10 s) overlaps the held-out eval;
     # it leases nothing until training groups exist (eval groups are never leased). SIGTERM if the demo dies
@@ -155,44 +269,18 @@ async def _rl(gateway: str, key: str, train_cmd: list[str], env: dict[str, str],
         start_eval = await run_eval(runner, eval_tasks, 1, await runner.weight_version())
         append_line(str(out / "eval.jsonl"), json.dumps(start_eval))
         _log(f"held-out greedy accuracy before RL: {start_eval['eval_mean_reward']:.3f}")
-        metrics = _StepTail(out / "train" / "metrics.jsonl")
-        bar = tqdm(total=steps or None, desc="RL steps", unit="step")
-        i = failed = 0
-        in_flight: set[asyncio.Task[Any]] = set()
-        # The RL phase gets all of its --minutes, from here: however long the warm-up and the first eval took.
-        rl_start = time.time()
-        deadline = rl_start + seconds
+        progress = _Progress(out / "train" / "metrics.jsonl", steps)
         try:
-            while trainer.poll() is None and time.time() < deadline:
-                while len(in_flight) < GROUPS_IN_FLIGHT:
-                    task = tasks[i % len(tasks)]
-                    i += 1
-                    in_flight.add(asyncio.ensure_future(runner.run_group(task, N_SAMPLES)))
-                done, in_flight = await asyncio.wait(in_flight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-                for d in done:
-                    if d.exception() is not None:  # one failed group (e.g. a dropped connection) is no reason to stop
-                        failed += 1
-                        if failed <= 3:
-                            _log(f"a group failed: {d.exception()!r}")
-                rows = metrics.new_rows()
-                if rows:
-                    bar.update(len(rows))
-                    bar.set_postfix(reward=f"{rows[-1].get('reward_mean', 0):.3f}")
+            # The RL phase gets all of its --minutes, from here: however long the warm-up and the first eval took.
+            run = await keep_groups_running(runner, trainer, tasks, seconds, progress)
         finally:
-            bar.close()
-            rl_seconds = time.time() - rl_start
-            trainer_rc = trainer.poll()  # None: still running, stopped by the demo below (its time was up)
-            if trainer_rc is None:
-                stop(trainer, timeout=60)
-            for t in in_flight:
-                t.cancel()
-            await asyncio.gather(*in_flight, return_exceptions=True)
+            progress.bar.close()  # closed already unless the loop was interrupted
         end_version = await runner.weight_version()
         end_eval = await run_eval(runner, eval_tasks, 1, end_version)
         append_line(str(out / "eval.jsonl"), json.dumps(end_eval))
         _log(f"held-out greedy accuracy after RL: {end_eval['eval_mean_reward']:.3f}")
         return {"start": start_eval["eval_mean_reward"], "end": end_eval["eval_mean_reward"],
-                "trainer_rc": trainer_rc, "weight_version": end_version, "rl_seconds": rl_seconds}
+                "trainer_rc": run.trainer_rc, "weight_version": end_version, "rl_seconds": run.t_end - run.t0}
     finally:
         if trainer.poll() is None:  # the start eval failed, or a signal: the trainer goes too
             stop(trainer, timeout=60)
@@ -253,13 +341,8 @@ def main(args: argparse.Namespace) -> int:
         try:
             wait_healthy(gateway, gw, timeout=120)
             _log(f"gateway {gateway}, engine {engine_url}")
-            train_cmd = [sys.executable, "-m", "rollway.cli", "train", "--gateway", gateway, "--model", str(model),
-                         "--out", str(out / "train"), "--nproc", str(args.nproc), "--seed", str(args.seed),
-                         "--groups-per-step", str(GROUPS_PER_STEP), "--max-head-offpolicyness", str(ETA),
-                         "--lr", str(RL_LR), "--adv-std-norm", "true", "--wait-seconds", "5", "--checkpoint-every", "50", "--steps", str(args.steps or 0)]
-            if lora:  # an adapter learns with a larger step than full weights
-                train_cmd += ["--lora-rank", str(lora), "--lora-targets", ",".join(LORA_TARGETS),
-                              "--lr", str(LORA_LR)]
+            train_cmd = train_command(gateway, model, out / "train", seed=args.seed, nproc=args.nproc,
+                                      steps=args.steps or 0, lora=lora)
             # RL runs for --minutes (or until --steps steps, within them), from when it starts.
             res = run_async(_rl(gateway, key, train_cmd, env, out, args.minutes * 60, args.steps, tasks, eval_tasks))
         finally:

@@ -3,44 +3,22 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-# Loopback health checks never go through an HTTP proxy named in the environment (http_proxy without no_proxy
-# would send them to the proxy, which cannot reach our 127.0.0.1).
-_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# The process helpers live in the leaf package (the trainer uses them too); the CLI, tests and benchmarks
+# keep importing them from here.
+from rollway_common.procs import die_with_parent, free_port, ping, stop, wait_healthy
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with code {proc.returncode} before it was ready")
-        try:
-            with _direct.open(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not become healthy within {timeout:.0f}s")
+__all__ = ["EngineSupervisor", "die_with_parent", "engine_environment", "engine_process", "ensure_tiny_model",
+           "free_port", "ping", "stop", "wait_healthy"]
 
 
 def ensure_tiny_model(data_dir: Path, seed: int = 0) -> Path:
@@ -101,39 +79,6 @@ def engine_environment(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items()
             if (k in ENGINE_ENV_NAMES or k.startswith(ENGINE_ENV_PREFIXES))
             and _CREDENTIAL_WORDS.isdisjoint(k.upper().split("_"))}  # HF_TOKEN, not TOKENIZERS_PARALLELISM
-
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent(sig: int) -> Callable[[], None] | None:
-    """A `preexec_fn` that makes Linux send `sig` to the child when this process dies, however it dies: a
-    SIGKILL runs none of our cleanup, and the child would be re-parented to PID 1 and live on. None where
-    there is no prctl (the child then outlives a killed parent, as before).
-
-    Linux ties the signal to the thread that starts the child: start it from a thread that lives as long as
-    the child should (the main thread, in our commands)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(sig), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect: nobody will send it
-            os.kill(os.getpid(), sig)
-
-    return preexec
-
-
-def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class EngineSupervisor:
@@ -295,12 +240,3 @@ class EngineSupervisor:
 
         task = asyncio.ensure_future(self._pool.admit(self._backends()))  # now, not at the next health round
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-
-def ping(url: str, timeout: float = 2.0) -> bool:
-    """Liveness (docs/architecture.md "Liveness"): GET /ping answers 200."""
-    try:
-        with _direct.open(f"{url}/ping", timeout=timeout) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False

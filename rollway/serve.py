@@ -148,6 +148,9 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     with contextlib.ExitStack() as stack:
         stack.callback(sock.close)
+        # Made here whatever the key's source: with ROLLWAY_ADMIN_KEY set, nothing else creates it before the
+        # engine's log and the SQLite store are opened inside it.
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         key, generated = admin_key(data_dir)
         private_data_dir(data_dir, settings.db_url)
         if generated:
@@ -165,9 +168,8 @@ def serve(args: argparse.Namespace) -> int:
             settings = settings.model_copy(update={"backends": [url], "tokenizer": settings.tokenizer or str(model),
                                                    "backend_admin_api_key": engine_key})
             print(f"embedded CPU engine at {url} serving {model}", file=sys.stderr)
-        app = create_app(settings, admin_key=key)
-        if supervisor is not None:
-            app.state.engine_supervisor = supervisor  # attached to the pool in the lifespan; in GET /ready
+        # The embedded engine's supervisor is attached to the pool in the lifespan and reported by GET /ready.
+        app = create_app(settings, admin_key=key, engine_supervisor=supervisor)
         print(f"gateway on http://{settings.host}:{settings.port}  (agents: POST /v1/groups for keys)",
               file=sys.stderr)
         # proxy_headers off: uvicorn would believe X-Forwarded-For from 127.0.0.1, i.e. from any local user;

@@ -96,41 +96,27 @@ VIEW_ONLY = ("`rollway view` serves only the viewer (/ui) over a store; the Open
 
 def create_view_app(url: str, admin_key: str, tokenizer: str | None = None) -> Any:
     """The viewer's FastAPI app over the store at `url`: /ui (sign-in and the pages), the viewer-key routes,
-    /health. `app.state.view_only` is True, and there is no pool, engine, template or metrics on app.state."""
+    /health. Its services are the gateway's factory's (`open_services(serve=False)`): the store and the viewer's
+    state, no `Serving` (no pool, engine, template or metrics): `Services.view_only` is True."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import RedirectResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from gateway import viewer_auth
-    from gateway.app import _tune_gc
     from gateway.errors import GatewayError, NotFound
-    from gateway.routes import viewer_keys
-    from gateway.routes.common import STORE_UNAVAILABLE, error_response, json_response
+    from gateway.routes import ui_sign_in, viewer_keys
+    from gateway.routes.common import error_response, json_response
+    from gateway.services import install, open_services
     from gateway.settings import Settings
-    from gateway.store.db import create_engine
-    from gateway.store.store import Store
+    from gateway.store.db import STORE_UNAVAILABLE
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = Store(create_engine(url))
-        app.state.store = store
-        if tokenizer:
-            from transformers import AutoTokenizer
-
-            from gateway.ui.tokens import TokenText
-
-            app.state.ui_token_text = TokenText(AutoTokenizer.from_pretrained(tokenizer))
-        _tune_gc()  # as rollway serve does: no full collection walks what start-up loaded (a 90-190 ms pause)
-        try:
+        async with open_services(Settings(db=url), admin_key=admin_key, serve=False, tokenizer=tokenizer) as svc:
+            install(app, svc)
             yield
-        finally:
-            await store.close()
 
     app = FastAPI(title="rollway viewer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.admin_key = admin_key
-    app.state.settings = Settings(db=url)
-    app.state.view_only = True
 
     async def handle(_: Request, exc: Exception) -> Response:
         return error_response(exc)
@@ -138,7 +124,7 @@ def create_view_app(url: str, admin_key: str, tokenizer: str | None = None) -> A
     for exc_type in (GatewayError, RequestValidationError, StarletteHTTPException, *STORE_UNAVAILABLE, Exception):
         app.add_exception_handler(exc_type, handle)
     app.include_router(viewer_keys.router)
-    viewer_auth.install(app)
+    ui_sign_in.install(app)
     mount_pages(app)
 
     @app.get("/health", include_in_schema=False)

@@ -26,6 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "docker-compose.yml"
 CPU = ROOT / "docker-compose.cpu.yml"
+ONE_GPU = ROOT / "docker-compose.one-gpu.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
 SECRETS = {"ROLLWAY_ADMIN_KEY", "POSTGRES_PASSWORD"}
 TEST_SECRETS = {"ROLLWAY_ADMIN_KEY": "test-admin-key", "POSTGRES_PASSWORD": "test-pg-password"}
@@ -189,15 +190,18 @@ def mount(v: Any) -> dict[str, Any]:
     return {"source": source, "target": target, "read_only": ro, "named": named}
 
 
-def project(with_cpu: bool, **extra_env: str) -> dict[str, Any]:
+def project(with_cpu: bool | str, **extra_env: str) -> dict[str, Any]:
+    """The GPU stack (False), the CPU stack (True), or the one-GPU stack ("one-gpu")."""
     env = {**stack_env(), **extra_env}
     doc = interpolate(load(BASE), env)
-    if with_cpu:
+    if with_cpu == "one-gpu":
+        doc = merge(doc, interpolate(load(ONE_GPU), env))
+    elif with_cpu:
         doc = merge(doc, interpolate(load(CPU), env))
     return doc
 
 
-CONFIGS = {"gpu": False, "cpu": True}
+CONFIGS: dict[str, bool | str] = {"gpu": False, "cpu": True, "one-gpu": "one-gpu"}
 
 
 @pytest.fixture(params=list(CONFIGS), scope="module")
@@ -401,7 +405,7 @@ def test_named_volumes_are_declared_and_used(config: tuple[str, dict[str, Any]])
 
 def test_variables_are_documented_and_secrets_required() -> None:
     documented = set(env_example())
-    refs = references(load(BASE)) + references(load(CPU))
+    refs = references(load(BASE)) + references(load(CPU)) + references(load(ONE_GPU))
     names = {name for name, _, _ in refs}
     assert names <= documented, f"undocumented in .env.example: {sorted(names - documented)}"
     assert documented <= names, f"documented but never used: {sorted(documented - names)}"
@@ -505,24 +509,26 @@ def test_services_point_at_each_other(config: tuple[str, dict[str, Any]], parser
     env = stack_env()
     sg = argv_of(svcs["sglang"])
     gw = parser.parse_args(rollway_argv(svcs["gateway"]))
-    assert gw.backends == [f"http://sglang:{flag(sg, '--port')}"]
+    one_gpu = name == "one-gpu"  # the gateway and the trainer in SGLang's network namespace (the tensor path)
+    assert gw.backends == [f"http://{'127.0.0.1' if one_gpu else 'sglang'}:{flag(sg, '--port')}"]
     assert gw.host == "0.0.0.0"
     assert gw.tokenizer == env["MODEL_PATH"]
     assert gw.db.startswith("postgresql://rollway:") and "@postgres:5432/rollway" in gw.db
     assert env["POSTGRES_PASSWORD"] in gw.db
     migrate = parser.parse_args(rollway_argv(svcs["migrate"]))
     assert (migrate.action, migrate.db) == ("upgrade", gw.db)
-    assert svcs["gateway"]["ports"] == [f"{env['GATEWAY_BIND']}:{env['GATEWAY_PORT']}:{gw.port}"]
+    published = svcs["sglang" if one_gpu else "gateway"]["ports"]
+    assert published == [f"{env['GATEWAY_BIND']}:{env['GATEWAY_PORT']}:{gw.port}"]
     gateway_url = f"http://gateway:{gw.port}"
-    assert flag(argv_of(svcs["trainer"]), "--gateway") == gateway_url
+    assert flag(argv_of(svcs["trainer"]), "--gateway") == (f"http://127.0.0.1:{gw.port}" if one_gpu else gateway_url)
     runner = parser.parse_args(rollway_argv(svcs["runner"]))
-    assert runner.gateway == gateway_url
+    assert runner.gateway == (f"http://sglang:{gw.port}" if one_gpu else gateway_url)
     for path in (runner.agent, runner.tasks):  # /app is the repository in the image (COPY . /app)
         assert path.startswith("/app/") and (ROOT / path.removeprefix("/app/")).is_file(), path
     for svc in ("gateway", "trainer", "runner"):
         assert svcs[svc]["environment"]["ROLLWAY_ADMIN_KEY"] == env["ROLLWAY_ADMIN_KEY"]
     assert svcs["postgres"]["environment"]["POSTGRES_PASSWORD"] == env["POSTGRES_PASSWORD"]
-    if name == "gpu":
+    if name in ("gpu", "one-gpu"):
         assert svcs["sglang"]["image"] == f"lmsysorg/sglang:{env['SGLANG_TAG']}"
         assert svcs["sglang"]["entrypoint"] == ["python3", "-m", "sglang.launch_server"]
         assert flag(sg, "--host") == "0.0.0.0"
@@ -575,7 +581,7 @@ def test_gpu_reservations(config: tuple[str, dict[str, Any]]) -> None:
             continue
         assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
         assert devices[0].get("device_ids") or devices[0].get("count")
-    if name == "gpu":
+    if name in ("gpu", "one-gpu"):
         assert doc["services"]["trainer"]["build"]["args"]["TORCH"] == "cuda"
     else:
         assert all(
@@ -691,3 +697,52 @@ def test_gpu_and_cpu_profiles_differ_only_where_listed() -> None:
     builds = {json.dumps(s["build"], sort_keys=True) for s in cpu["services"].values() if "build" in s}
     images = {s["image"] for s in cpu["services"].values() if "build" in s}
     assert len(builds) == 1 and len(images) == 1, (images, builds)
+
+
+# ---------------------------------------------------------------- the one-GPU profile against the GPU one
+# docker-compose.one-gpu.yml (docs/scaling.md "One device"): SGLang and the trainer on one device, the tensor path.
+ONE_GPU_DIFFERENCES = {
+    ("sglang", "command"),  # --mem-fraction-static, --enable-memory-saver (LoRA off: full weights by tensor)
+    ("sglang", "ipc"),  # host: CUDA IPC between the containers
+    ("sglang", "ports"),  # the gateway's port, which listens in SGLang's network namespace
+    ("gateway", "network_mode"),
+    ("gateway", "ports"),
+    ("gateway", "command"),  # the backend at 127.0.0.1 (the tensor path's locality check)
+    ("trainer", "network_mode"),
+    ("trainer", "ipc"),
+    ("trainer", "command"),  # --weight-sync tensor --release-kv-cache, 127.0.0.1
+    ("trainer", "deploy"),  # SGLang's device
+    ("runner", "command"),  # the gateway reached through SGLang's name
+}
+
+
+def test_one_gpu_profile_differs_from_the_gpu_one_only_where_listed() -> None:
+    env = {name: f"<{name}>" for name in env_example() if not env_example()[name]}
+    gpu, one = project(False, **env), project("one-gpu", **env)
+    assert set(one["services"]) == set(gpu["services"]) and one["volumes"] == gpu["volumes"]
+    found = {(name, key) for name, g in gpu["services"].items() for key in set(g) | set(one["services"][name])
+             if g.get(key) != one["services"][name].get(key)}
+    assert found == ONE_GPU_DIFFERENCES, (
+        f"differ but not listed: {sorted(found - ONE_GPU_DIFFERENCES)}; "
+        f"listed but equal: {sorted(ONE_GPU_DIFFERENCES - found)}")
+    svc = one["services"]
+    assert svc["gateway"]["network_mode"] == svc["trainer"]["network_mode"] == "service:sglang"
+    assert svc["sglang"]["ipc"] == svc["trainer"]["ipc"] == "host"
+    assert (svc["trainer"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            == svc["sglang"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"])  # one device
+    sglang = argv_of(svc["sglang"])
+    assert "--enable-memory-saver" in sglang and float(sglang[sglang.index("--mem-fraction-static") + 1]) < 1
+    # the gateway's command is the GPU profile's but for the backend URL, which is local to it
+    g_gw, o_gw = argv_of(gpu["services"]["gateway"]), argv_of(svc["gateway"])
+    i = g_gw.index("--backend") + 1
+    assert o_gw[:i] + o_gw[i + 1:] == g_gw[:i] + g_gw[i + 1:] and o_gw[i].startswith("http://127.0.0.1:")
+    trainer = argv_of(svc["trainer"])
+    from trainer.config import load_config, parse_overrides
+
+    assert flag(trainer, "--nproc") == "1"  # one device
+    rest = trainer[1:]
+    del rest[rest.index("--nproc"): rest.index("--nproc") + 2]
+    cfg = load_config(None, parse_overrides([a for a in rest if a != "<TRAINER_ARGS>"]))
+    assert (cfg.weight_sync, cfg.release_kv_cache, cfg.gateway) == ("tensor", True, "http://127.0.0.1:8000")
+    runner = argv_of(svc["runner"])
+    assert runner[runner.index("--gateway") + 1] == "http://sglang:8000"

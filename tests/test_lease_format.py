@@ -15,7 +15,7 @@ import pytest
 
 from gateway.samples import session_sequences
 from gateway.store.store import TurnRow
-from gateway.wire import pack
+from rollway_common.wire import pack
 from trainer.advantages import chain_returns, score_group
 from trainer.client import GatewayClient, Lease, parse_group, parse_sample
 from trainer.config import TrainConfig
@@ -91,7 +91,7 @@ def test_format_2_carries_the_turns() -> None:
 
 
 def wire_sample(**change: Any) -> dict[str, Any]:
-    from rollway.wire import encode_array
+    from rollway_common.wire import encode_array
 
     d: dict[str, Any] = {"group_id": "g", "session_id": "s", "reward": 1.0, "temperature": 1.0,
                          "token_ids": encode_array([1, 2, 3], "int32"), "loss_mask": encode_array([0, 1, 1], "uint8"),

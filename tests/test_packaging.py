@@ -17,17 +17,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-OWN = {"rollway", "gateway", "engine", "trainer", "migrations", "rollway_agents", "agents"}
+OWN = {"rollway", "rollway_common", "gateway", "engine", "trainer", "migrations", "rollway_agents", "agents"}
 # Import name -> distribution name where the two differ.
 DIST = {"yaml": "pyyaml", "pydantic_settings": "pydantic-settings", "prometheus_client": "prometheus-client",
         "sklearn": "scikit-learn"}
 # Modules that a declared distribution provides under another name.
 PROVIDED_BY = {"starlette": "fastapi", "anyio": "fastapi", "typing_extensions": "pydantic"}
 # Which dependency groups install each shipped package (the core dependencies always).
-GROUPS = {"gateway": [], "rollway": [], "agents": [], "migrations": [], "engine": ["engine"],
+GROUPS = {"rollway_common": [], "gateway": [], "rollway": [], "agents": [], "migrations": [], "engine": ["engine"],
           "trainer": ["train"]}
 # Files that import an optional extra's module (lazily, behind an option that is off by default): file -> extras.
-OPTIONAL = {"trainer/tracking.py": ["wandb", "mlflow"]}
+OPTIONAL = {"trainer/tracking.py": ["wandb", "mlflow"],
+            # torch: imported only by the engine and the trainer (tests/test_import_graph.py keeps the gateway off it)
+            "rollway_common/process_group.py": ["engine", "train"]}
 
 
 def _name(req: str) -> str:
@@ -110,3 +112,21 @@ def test_the_tracking_extras_are_optional() -> None:
     assert _name(extras["wandb"][0]) == "wandb" and _name(extras["mlflow"][0]).startswith("mlflow")
     for group in (["all"], ["train"], []):
         assert not {n for n in _declared(group) if n.startswith(("wandb", "mlflow"))}, group
+
+
+def test_every_package_folder_ships() -> None:
+    """A wheel holds only the packages `[tool.setuptools] packages` names (no discovery): every folder with an
+    `__init__.py` under a shipped package must be listed, or a non-editable install fails on its import."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    dirs = {v: k for k, v in tool.get("package-dir", {}).items()}
+    missing = []
+    for top in listed:
+        if "." in top:
+            continue
+        base = ROOT / dirs.get(top, top)
+        for init in base.rglob("__init__.py"):
+            name = ".".join([top, *init.parent.relative_to(base).parts])
+            if name not in listed:
+                missing.append(name)
+    assert missing == []

@@ -1,5 +1,5 @@
 """The lease wire format end to end: what the gateway encodes from stored turns, the trainer decodes to the
-same numbers (docs/http-api.md "POST /v1/batches"). Both sides import `rollway.wire`; this pins the two
+same numbers (docs/http-api.md "POST /v1/batches"). Both sides import `rollway_common.wire`; this pins the two
 paths that use it (gateway.samples -> JSON -> trainer.client) to each other.
 """
 
@@ -14,8 +14,7 @@ import pytest
 
 from gateway.samples import session_sequences
 from gateway.store.store import TurnRow
-from gateway.wire import pack
-from rollway.wire import decode_array, encode_array
+from rollway_common.wire import decode_array, encode_array, pack
 from trainer.client import parse_group
 
 

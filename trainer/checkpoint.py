@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from rollway import paths
+from rollway_common import paths
 
 TOKENIZER_FILES = (*paths.TOKENIZER_FILES, "generation_config.json")
 """Copied verbatim from the model folder training started from: exactly what the gateway templated with."""

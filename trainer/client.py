@@ -4,7 +4,7 @@
     ├── GatewayUnreachable        connection refused / timed out: the message names the URL
     └── GatewayHTTPError          the gateway answered 4xx/5xx: status, type, code and its message
 
-Arrays arrive in the compact wire form and are decoded here with `rollway.wire.decode_array` (the trainer
+Arrays arrive in the compact wire form and are decoded here with `rollway_common.wire.decode_array` (the trainer
 imports nothing from the gateway: it reaches it only over HTTP), so the rest of the trainer sees plain lists
 (`Sample`).
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from rollway.wire import LEASE_FORMAT, decode_array
+from rollway_common.wire import LEASE_FORMAT, decode_array
 
 log = logging.getLogger(__name__)
 
@@ -310,12 +310,14 @@ class GatewayClient:
         self._request("POST", "/v1/training/steps", json=report)
 
     def sync_init(self, version: int, master_address: str, backend: str, timeout_s: float,
-                  catch_up: bool = False) -> dict[str, Any]:
+                  catch_up: bool = False, host_id: str | None = None) -> dict[str, Any]:
         """`POST /v1/weights/sync/init`: the gateway picks the backends of a process-group publish, one group each
         (`{sync_id, groups: [{group_name, world_size, backend_id}]}`; trainer/weight_sync.py). `catch_up`: the
         current version again, to the backends that lack it only (no groups: none does)."""
-        body = {"version": version, "master_address": master_address, "backend": backend, "timeout_s": timeout_s,
-                "catch_up": catch_up}
+        body: dict[str, Any] = {"version": version, "master_address": master_address, "backend": backend,
+                                "timeout_s": timeout_s, "catch_up": catch_up}
+        if host_id is not None and backend == "tensor":  # the tensor path: the gateway checks it is this machine
+            body["host_id"] = host_id
         return dict(self._request("POST", "/v1/weights/sync/init", json=body).json())
 
     def sync_status(self) -> dict[str, Any]:
@@ -323,12 +325,20 @@ class GatewayClient:
         return dict(self._request("GET", "/v1/weights/sync").json())
 
     def sync(self, sync_id: str, version: int, ports: dict[str, int], buckets: list[dict[str, Any]],
-             batch_ids: list[str], results: dict[str, str], timeout: float) -> dict[str, Any]:
+             batch_ids: list[str], results: dict[str, str], timeout: float,
+             tensors: dict[str, list[list[str]]] | None = None) -> dict[str, Any]:
         """`POST /v1/weights/sync`: answered once every backend received the buckets (or failed), the version is
         published and the batches acked; the caller broadcasts meanwhile."""
-        body = {"sync_id": sync_id, "version": version, "ports": ports, "buckets": buckets,
-                "batch_ids": batch_ids, "results": results}
+        body: dict[str, Any] = {"sync_id": sync_id, "version": version, "ports": ports, "buckets": buckets,
+                                "batch_ids": batch_ids, "results": results}
+        if tensors:  # the tensor path: per group, per bucket, one payload per TP rank
+            body["tensors"] = tensors
         return dict(self._request("POST", "/v1/weights/sync", json=body, timeout=max(self.timeout, timeout)).json())
+
+    def memory(self, action: str, tags: list[str] | None) -> dict[str, Any]:
+        """`POST /v1/weights/memory/{release,resume}`: every server pauses and frees `tags` (SGLang's
+        `/release_memory_occupation`), or takes them back and continues (a colocated trainer's step)."""
+        return dict(self._request("POST", f"/v1/weights/memory/{action}", json={"tags": tags}).json())
 
     # --- SFT export ---
     def sessions(self, state: str = "finished", after: str | None = None, limit: int = 100) -> dict[str, Any]:

@@ -111,10 +111,12 @@ class TrainConfig:
     """Training checkpoints kept on disk (oldest removed)."""
     keep_weights: int = 3
     """Published HF weight folders kept on disk (oldest removed; the gateway may still read the last)."""
-    weight_sync: Literal["disk", "distributed"] = "disk"
+    weight_sync: Literal["disk", "distributed", "tensor"] = "disk"
     """disk: write an HF folder every server reads at the same path (a shared filesystem); distributed: broadcast
     the weights to every server over torch process groups (no shared disk; NCCL on GPUs, gloo on CPU), with the
-    disk path as the fallback when no server takes them (docs/scaling.md "Two ways to publish")."""
+    disk path as the fallback when no server takes them; tensor: hand servers on this machine handles to the
+    weights' memory (`/update_weights_from_tensor`: CUDA IPC on a GPU, shared memory on CPU), refused across
+    machines (docs/scaling.md "Ways to publish", "One device")."""
     weight_sync_address: str = "127.0.0.1"
     """distributed: this host's address as the inference servers reach it (the groups' TCP stores listen here)."""
     weight_sync_backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -123,6 +125,9 @@ class TrainConfig:
     """distributed: megabytes per broadcast bucket (one flat tensor, one server call each)."""
     weight_sync_timeout: float = 120.0
     """distributed: seconds each rendezvous, broadcast and server call may take before it fails."""
+    release_kv_cache: bool = False
+    """Colocated on one device: ask the servers to free their KV cache (`/release_memory_occupation`) for the
+    training step and take it back after; generation stalls meanwhile (docs/scaling.md "One device")."""
     weight_sync_catch_up_s: float = 5.0
     """distributed: how often rank 0 asks the gateway for backends that lack the current version (added,
     restarted, failed mid-update) and sends it to them again; 0 = they wait for the next publish."""
@@ -202,8 +207,8 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.weight_sync == "distributed" and self.lora_rank:
-            raise ValueError("--weight-sync distributed sends full weights; a LoRA adapter is published by path "
+        if self.weight_sync in ("distributed", "tensor") and self.lora_rank:
+            raise ValueError(f"--weight-sync {self.weight_sync} sends full weights; a LoRA adapter is published by path "
                              "(--weight-sync disk): choose one")
         if self.activation_checkpointing_min_tokens < 0:
             raise ValueError("activation_checkpointing_min_tokens must be >= 0")

@@ -10,7 +10,6 @@ and the LM head, so tied embeddings stay one parameter).
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from rollway_common.procs import free_port
 from trainer import recompute as recompute_mod
 
 
@@ -36,12 +36,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def init_distributed(timeout_s: float = 1800.0, force_cpu: bool = False) -> DistInfo:

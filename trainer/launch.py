@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from rollway.embedded import die_with_parent
+from rollway_common.procs import die_with_parent
 from trainer.client import GatewayClient
 from trainer.config import TrainConfig, load_config, parse_overrides
 from trainer.tracking import check_installed

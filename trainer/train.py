@@ -232,7 +232,8 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
     reporter = StepReporter(client) if client is not None else None
     # --weight-sync distributed: backends that lack the current version get it again from rank 0 (no folder to load)
     catch_up = (CatchUp(client, cfg.weight_sync_catch_up_s).start()
-                if client is not None and cfg.weight_sync == "distributed" and cfg.weight_sync_catch_up_s > 0 else None)
+                if client is not None and cfg.weight_sync in ("distributed", "tensor") and cfg.weight_sync_catch_up_s > 0
+                else None)
     try:
         # ---------------- starting weights: the served version, else --model; then our last checkpoint
         gw_version, gw_path = on_rank0(info, "reading GET /v1/weights", GatewayClient.current_weights, client)
@@ -286,10 +287,20 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
                 micro_batch_tokens=cfg.micro_batch_tokens,
                 loss_agg=cfg.loss_agg,
             )
-            metrics = rl_step(
-                model, optimizer, plan, params, max_grad_norm=cfg.max_grad_norm, device=info.device,
-                ref_model=ref_model,
-            )  # fmt: skip
+            released = cfg.release_kv_cache  # the same on every rank: on_rank0 is collective
+            if released:  # colocated: the servers' KV cache is freed for the step (generation stalls meanwhile)
+                on_rank0(info, "releasing the servers' KV cache", GatewayClient.memory, client, "release", ["kv_cache"])
+            try:
+                metrics = rl_step(
+                    model, optimizer, plan, params, max_grad_norm=cfg.max_grad_norm, device=info.device,
+                    ref_model=ref_model,
+                )  # fmt: skip
+            finally:
+                if released:
+                    on_rank0(info, "resuming the servers' KV cache", GatewayClient.memory, client, "resume",
+                             ["kv_cache"])
+            if released:
+                metrics["kv_cache_released_s"] = time.perf_counter() - t0
             step_time = time.perf_counter() - t0
             step += 1
             version += 1
@@ -311,7 +322,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             path: Path | SyncPayload
             if cfg.lora_rank:  # only the adapter is published (trainer/lora.py)
                 path = export_adapter(model, cfg, source, out / "adapters" / f"v{version:06d}")
-            elif cfg.weight_sync == "distributed":  # gathered on rank 0, broadcast by the publish thread
+            elif cfg.weight_sync in ("distributed", "tensor"):  # gathered on rank 0, sent by the publish thread
                 path = SyncPayload.gather(model, source, sync_options(cfg, out, catch_up))
             else:
                 path = export_hf(model, source, out / "weights" / f"v{version:06d}")

@@ -34,37 +34,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.distributed_c10d import (
-    GroupName,
-    PrefixStore,
-    _new_process_group_helper,
-    _world,
-    rendezvous,
-)
 
+from rollway_common.process_group import init_custom_process_group
+from rollway_common.procs import free_port
 from trainer.checkpoint import TOKENIZER_FILES, _fsync_dir, _fsync_tree, full_state_dict, save_dtype
 from trainer.client import GatewayClient, GatewayHTTPError
-from trainer.fsdp import free_port
+from trainer.tensor_sync import host_id, payloads, share_cpu_tensors
 
 log = logging.getLogger("trainer")
-
-
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout: timedelta) -> dist.ProcessGroup:
-    """A group apart from the trainer's own, made the way SGLang makes its side (so either end can be SGLang). Rank 0
-    serves the TCP store itself: under torchrun, `rendezvous` would make it a client of the launcher's store."""
-    if rank == 0:
-        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
-        store: dist.Store = dist.TCPStore(host, int(port), world_size, is_master=True, timeout=timeout,
-                                          wait_for_workers=False)
-    else:
-        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=GroupName(group_name),
-                                    timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
 
 
 def plan_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
@@ -157,7 +134,10 @@ class SyncOptions:
     address: str = "127.0.0.1"
     """The address of this host that the inference servers reach (the groups' TCP stores listen here)."""
     backend: str = "auto"
-    """gloo, nccl, or auto (nccl when CUDA is available)."""
+    """gloo, nccl, or auto (nccl when CUDA is available); `tensor`: memory handles to servers on this machine, no
+    process group (trainer/tensor_sync.py)."""
+    device: str | None = None
+    """The tensor path: where the buckets live (None: CPU shared memory; `cuda`: CUDA IPC handles)."""
     bucket_bytes: int = 512 << 20
     timeout: float = 120.0
     fallback_dir: Path | None = None
@@ -175,7 +155,10 @@ class SyncOptions:
 
 def sync_options(cfg: Any, out: Path, catch_up: CatchUp | None = None) -> SyncOptions:
     """From the trainer's config (`weight_sync_*`); the disk fallback writes under `out/weights`."""
-    return SyncOptions(address=cfg.weight_sync_address, backend=cfg.weight_sync_backend,
+    tensor = cfg.weight_sync == "tensor"
+    device = "cuda" if tensor and torch.cuda.is_available() else None
+    return SyncOptions(address=cfg.weight_sync_address, backend="tensor" if tensor else cfg.weight_sync_backend,
+                       device=device,
                        bucket_bytes=max(1, int(cfg.weight_sync_bucket_mb * (1 << 20))),
                        timeout=cfg.weight_sync_timeout, fallback_dir=out / "weights", catch_up=catch_up)
 
@@ -195,16 +178,24 @@ _POOL: dict[tuple[Any, ...], list[BufferSet]] = {}
 _TURN: dict[tuple[Any, ...], int] = {}
 
 
-def _buffers(layout: list[list[str]], state: dict[str, torch.Tensor]) -> BufferSet:
+def _buffers(layout: list[list[str]], state: dict[str, torch.Tensor], device: str | None = None,
+             shared: bool = False) -> BufferSet:
     """The flat buffers of a publish, reused: two sets per layout, taken in turn (the training loop holds at most
     two payloads: one publishing, the next just gathered). Fresh memory costs its page faults on every step: a
     100M-parameter copy took 1.5 s into new pages on 2 busy cores."""
-    key = tuple((tuple(names), state[names[0]].dtype) for names in layout)
+    key = (*((tuple(names), state[names[0]].dtype) for names in layout), device, shared)
     if key not in _POOL:
         _POOL.clear()
         _TURN.clear()
-        _POOL[key] = [BufferSet([torch.empty(sum(state[n].numel() for n in names), dtype=state[names[0]].dtype)
-                                 for names in layout]) for _ in range(2)]
+
+        def make(names: list[str]) -> torch.Tensor:
+            t = torch.empty(sum(state[n].numel() for n in names), dtype=state[names[0]].dtype, device=device)
+            if shared and t.device.type == "cpu":  # the tensor path hands out its memory by name
+                share_cpu_tensors()
+                t.share_memory_()
+            return t
+
+        _POOL[key] = [BufferSet([make(names) for names in layout]) for _ in range(2)]
     turn = _TURN[key] = 1 - _TURN.get(key, 1)
     return _POOL[key][turn]
 
@@ -239,11 +230,19 @@ class SyncPayload:
             dtype = save_dtype(config)
             state = {k: v.to(dtype) for k, v in state.items()}
             layout = plan_buckets(state, options.bucket_bytes)
-            buffers = _buffers(layout, state)
+            tensor = options.resolved_backend() == "tensor"
+            buffers = _buffers(layout, state, options.device if tensor else None, shared=tensor)
             with buffers.lock:  # waits for a catch-up sending the payload these buffers held
                 buffers.generation += 1
                 for names, flat in zip(layout, buffers.flats, strict=True):
-                    torch.cat([state[n].reshape(-1) for n in names], out=flat)
+                    if flat.device == state[names[0]].device:
+                        torch.cat([state[n].reshape(-1) for n in names], out=flat)
+                    else:  # the tensor path on a GPU: the CPU state dict copied into the device's buckets
+                        offset = 0
+                        for n in names:
+                            k = state[n].numel()
+                            flat[offset:offset + k].copy_(state[n].reshape(-1), non_blocking=True)
+                            offset += k
                     buckets.append(Bucket(names, [list(state[n].shape) for n in names], flat.dtype, flat))
         return cls(buckets, config, source, options, buffers)
 
@@ -267,7 +266,8 @@ class SyncPayload:
         it; None when there were none, else the gateway's answer. Call it with the buffers' lock held and the
         generation checked (`CatchUp`)."""
         opts = self.options
-        plan = client.sync_init(version, opts.address, opts.resolved_backend(), opts.timeout, catch_up=True)
+        plan = client.sync_init(version, opts.address, opts.resolved_backend(), opts.timeout, catch_up=True,
+                                host_id=host_id())
         if not plan["groups"]:
             return None
         return self._send(client, plan, version, [], {})
@@ -275,7 +275,7 @@ class SyncPayload:
     def _publish_distributed(self, client: GatewayClient, version: int, batch_ids: list[str],
                              results: dict[str, str]) -> int:
         opts = self.options
-        plan = client.sync_init(version, opts.address, opts.resolved_backend(), opts.timeout)
+        plan = client.sync_init(version, opts.address, opts.resolved_backend(), opts.timeout, host_id=host_id())
         answer = self._send(client, plan, version, batch_ids, results)
         return int(answer.get("version", version))
 
@@ -285,6 +285,14 @@ class SyncPayload:
         t0 = time.perf_counter()
         backend = opts.resolved_backend()
         groups = plan["groups"]
+        if backend == "tensor":  # no group: each backend opens the buckets' memory itself
+            if any(b.flat.is_cuda for b in self.buckets):
+                torch.cuda.synchronize()  # the gather's copies are done before another process reads them
+            answer = client.sync(plan["sync_id"], version, {}, [b.manifest() for b in self.buckets], batch_ids,
+                                 results, timeout=opts.timeout * (2 + len(self.buckets)),
+                                 tensors=payloads(self.buckets, groups))
+            self.last = {"answer": answer, "seconds": time.perf_counter() - t0, "groups": {}}
+            return answer
         senders = [Sender(g, opts.address, free_port(), backend, opts.timeout, self.buckets).start() for g in groups]
         watcher = _Progress(senders, opts.on_bucket).start() if opts.on_bucket else None
         try:

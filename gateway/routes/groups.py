@@ -20,13 +20,14 @@ from gateway.protocol import (
 )
 from gateway.records import session_record
 from gateway.routes.common import json_response, read_body
+from gateway.services import services, serving
 from gateway.store.store import Store
 
 router = APIRouter()
 
 
 def public_base(request: Request) -> str:
-    configured: str = request.app.state.settings.public_url
+    configured: str = services(request).settings.public_url
     return configured.rstrip("/") if configured else str(request.base_url).rstrip("/")
 
 
@@ -34,9 +35,9 @@ def public_base(request: Request) -> str:
 async def create_group(request: Request) -> Response:
     await admin(request)
     body = await read_body(request, CreateGroupRequest)
-    admission = None if body.eval else getattr(request.app.state, "admission", None)  # eval: outside the budget
+    admission = None if body.eval else serving(request).admission  # eval: outside the budget
     sampling = (body.sampling or SamplingPolicy()).model_dump()
-    store: Store = request.app.state.store
+    store: Store = services(request).store
     deadline = time.monotonic() + body.wait_seconds
     while True:
         try:
@@ -45,13 +46,13 @@ async def create_group(request: Request) -> Response:
                     body.task, body.n_samples, sampling=sampling, metadata=body.metadata, is_eval=body.eval
                 )
             if admission is not None and body.wait_seconds:
-                request.app.state.budget.notify_one()  # there may be room for the next waiting one too
+                serving(request).budget.notify_one()  # there may be room for the next waiting one too
             break
         except TooManyRequests:  # the staleness budget is full: wait for room (a publish, a group dropped)
             if time.monotonic() >= deadline or await request.is_disconnected():
-                request.app.state.metrics.admission_refused.inc()
+                serving(request).metrics.admission_refused.inc()
                 raise
-            await request.app.state.budget.wait(deadline - time.monotonic())
+            await serving(request).budget.wait(deadline - time.monotonic())
     base = public_base(request)
     return json_response({
         "group_id": gid,
@@ -68,7 +69,7 @@ async def create_group(request: Request) -> Response:
 @router.get("/v1/groups/{group_id}")
 async def get_group(request: Request, group_id: str) -> Response:
     await admin(request)
-    return json_response(await request.app.state.store.group(group_id))
+    return json_response(await services(request).store.group(group_id))
 
 
 @router.post("/v1/groups/{group_id}/rewards")
@@ -77,7 +78,7 @@ async def group_rewards(request: Request, group_id: str) -> Response:
     a runner sends once its group's sessions are done, instead of a request per session."""
     await admin(request)
     body = await read_body(request, GroupRewardsRequest)
-    store: Store = request.app.state.store
+    store: Store = services(request).store
     state, states = await store.set_group_rewards(group_id, [(r.session_id, r.reward) for r in body.rewards],
                                                   finish=body.finish)
     return json_response({"group_id": group_id, "ok": True, "state": state,
@@ -94,7 +95,7 @@ async def list_sessions(request: Request) -> Response:
         limit = int(q.get("limit", "100"))
     except ValueError:
         raise BadRequest("since must be a number (epoch seconds) and limit an integer") from None
-    store: Store = request.app.state.store
+    store: Store = services(request).store
     rows = await store.list_sessions(state=q.get("state"), since=since, limit=limit, after=q.get("after"))
     full = q.get("include_turns", "false").lower() in ("1", "true", "yes")
     data: list[dict[str, Any]] = []
@@ -110,7 +111,7 @@ async def list_sessions(request: Request) -> Response:
 @router.get("/v1/sessions/{session_id}")
 async def get_session(request: Request, session_id: str) -> Response:
     await admin_or_session(request, session_id)
-    session, turns = await request.app.state.store.session(session_id)
+    session, turns = await services(request).store.session(session_id)
     return json_response(session_record(session, turns))
 
 
@@ -120,7 +121,7 @@ async def reward(request: Request, session_id: str) -> Response:
     body = await read_body(request, RewardRequest)
     if body.reward is None and not body.turn_rewards:
         raise BadRequest("send {'reward': x} or {'turn_rewards': [{'turn_id', 'reward'}]}")
-    store: Store = request.app.state.store
+    store: Store = services(request).store
     state = await store.set_reward(
         session_id, body.reward, [(t.turn_id, t.reward) for t in body.turn_rewards or []] or None,
         finish=body.finish,
@@ -131,7 +132,7 @@ async def reward(request: Request, session_id: str) -> Response:
 @router.post("/v1/sessions/{session_id}/finish")
 async def finish(request: Request, session_id: str) -> Response:
     await admin_or_session(request, session_id)
-    state = await request.app.state.store.end_session(session_id, "finished", None)
+    state = await services(request).store.end_session(session_id, "finished", None)
     return json_response({"session_id": session_id, "state": state})
 
 
@@ -139,5 +140,5 @@ async def finish(request: Request, session_id: str) -> Response:
 async def abandon(request: Request, session_id: str) -> Response:
     await admin_or_session(request, session_id)
     body = await read_body(request, AbandonRequest)
-    state = await request.app.state.store.end_session(session_id, "abandoned", body.reason)
+    state = await services(request).store.end_session(session_id, "abandoned", body.reason)
     return json_response({"session_id": session_id, "state": state})

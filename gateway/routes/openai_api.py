@@ -24,6 +24,7 @@ from gateway.protocol import (
 from gateway.routes.common import json_response
 from gateway.routes.replies import logprobs_content, read_turn_body, run_to_end, usage
 from gateway.routes.streaming import ChatChunks, CompletionChunks, stream_turn
+from gateway.services import services, serving
 from gateway.templating import RESERVED_TEMPLATE_KWARGS, ChatTemplate
 from gateway.tool_grammar import response_format_schema
 from gateway.turns import TurnRequest, TurnService, tools_for_choice
@@ -106,10 +107,10 @@ async def _chat(request: Request, session_id: str | None) -> Response:
     body, size = await read_turn_body(request, ChatCompletionRequest, "messages")
     note_unknown_fields(body, "chat.completions")
     refuse_unsupported(body, CHAT_REFUSED)
-    turns: TurnService = request.app.state.turns
+    turns: TurnService = serving(request).turns
     req = chat_turn_request(body, size)
-    prepared = await turns.prepare(auth, req, max_session_tokens=request.app.state.settings.max_session_tokens)
-    model = request.app.state.model_name
+    prepared = await turns.prepare(auth, req, max_session_tokens=services(request).settings.max_session_tokens)
+    model = serving(request).model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await stream_turn(request, prepared, ChatChunks(turns, prepared, model=model, include_usage=include_usage,
@@ -132,7 +133,7 @@ async def _completions(request: Request, session_id: str | None) -> Response:
     refuse_unsupported(body, COMPLETIONS_REFUSED)
     if body.n not in (None, 1):
         raise BadRequest("n > 1 is not supported: each sample is its own session (POST /v1/groups)", param="n")
-    turns: TurnService = request.app.state.turns
+    turns: TurnService = serving(request).turns
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
@@ -147,11 +148,11 @@ async def _completions(request: Request, session_id: str | None) -> Response:
         raw_prompt_ids=None if isinstance(prompt, str) else [int(x) for x in prompt],
         body_bytes=size,
     )
-    prepared = await turns.prepare(auth, req, max_session_tokens=request.app.state.settings.max_session_tokens)
+    prepared = await turns.prepare(auth, req, max_session_tokens=services(request).settings.max_session_tokens)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await stream_turn(request, prepared, CompletionChunks(
-            turns, prepared, model=request.app.state.model_name, include_usage=include_usage, logprobs=body.logprobs,
+            turns, prepared, model=serving(request).model_name, include_usage=include_usage, logprobs=body.logprobs,
         ), raw=True)
     gen, done = await run_to_end(request, prepared)
     choice: dict[str, Any] = {"index": 0, "text": done.text, "logprobs": None,
@@ -162,14 +163,14 @@ async def _completions(request: Request, session_id: str | None) -> Response:
                               "top_logprobs": None}
     return json_response({
         "id": done.turn_id, "object": "text_completion", "created": int(time.time()),
-        "model": request.app.state.model_name, "choices": [choice],
+        "model": serving(request).model_name, "choices": [choice],
         "usage": usage(len(prepared.prompt_ids), len(gen.ids), gen.cached_tokens),
     })
 
 
 async def _models(request: Request, session_id: str | None) -> Response:
     await model_reader(request, session_id)
-    name = request.app.state.model_name
+    name = serving(request).model_name
     return json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "rollway"}
     ]})

@@ -14,6 +14,7 @@ from gateway import disconnect
 from gateway.errors import BadRequest
 from gateway.generation import Generation
 from gateway.routes.common import M, parse_body, read_raw_body
+from gateway.services import services
 from gateway.settings import Settings
 from gateway.turns import FinishedTurn, PreparedTurn, TurnService
 
@@ -26,7 +27,7 @@ async def read_turn_body(request: Request, model: type[M], messages: str | None)
     raw = await read_raw_body(request)
     if messages is None:
         return parse_body(raw, model), len(raw)
-    settings: Settings = request.app.state.settings
+    settings: Settings = services(request).settings
     return parse_body(raw, model, lambda data: check_counts(data, settings, messages)), len(raw)
 
 

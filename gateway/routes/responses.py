@@ -26,6 +26,7 @@ from gateway.routes.responses_stream import (
     response_object,
 )
 from gateway.routes.streaming import stream_turn
+from gateway.services import services, serving
 from gateway.turns import TurnRequest, TurnService, tools_for_choice
 
 
@@ -114,18 +115,18 @@ async def _responses(request: Request, session_id: str | None) -> Response:
     if isinstance(tool_choice, dict) and "function" not in tool_choice:
         tool_choice = {**tool_choice, "function": {"name": tool_choice.get("name")}}
     tools, forced = tools_for_choice(tool_choice, chat_tools(body), body.parallel_tool_calls)
-    turns: TurnService = request.app.state.turns
+    turns: TurnService = serving(request).turns
     req = TurnRequest(
         endpoint="responses", messages=input_messages(body), tools=tools,
-        asked=body.model_dump(exclude={"input", "tools", "instructions"}, exclude_none=True),
+        asked=body.model_dump(exclude={"input", "tools", "instructions"}, exclude_none=True, by_alias=True),
         max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, body_bytes=size,
         json_schema=text_json_schema(body), forced=forced,
     )
     if not req.messages:
         raise BadRequest("input is empty", param="input")
-    prepared = await turns.prepare(auth, req, max_session_tokens=request.app.state.settings.max_session_tokens)
+    prepared = await turns.prepare(auth, req, max_session_tokens=services(request).settings.max_session_tokens)
     if body.stream:
-        return await stream_turn(request, prepared, ResponseEvents(request.app.state.model_name, body, prepared))
+        return await stream_turn(request, prepared, ResponseEvents(serving(request).model_name, body, prepared))
     gen, done = await run_to_end(request, prepared)
     output: list[dict[str, Any]] = []
     if done.parsed.reasoning_content:
@@ -133,7 +134,7 @@ async def _responses(request: Request, session_id: str | None) -> Response:
     if done.parsed.content:
         output.append(message_item(new_item_id("msg_"), done.parsed.content))
     output.extend(function_call_item(tc) for tc in done.parsed.tool_calls)
-    return json_response(response_object(request.app.state.model_name, body, prepared, output,
+    return json_response(response_object(serving(request).model_name, body, prepared, output,
                                          status="incomplete" if done.finish_reason == "length" else "completed",
                                          gen=gen))
 

@@ -24,6 +24,7 @@ from fastapi.responses import StreamingResponse
 from gateway.errors import GatewayError
 from gateway.generation import Generation, generate
 from gateway.routes.replies import logprobs_content, usage
+from gateway.services import services, serving
 from gateway.templating import ChatTemplate, IncrementalDetokenizer
 from gateway.tool_parsers import ParsedReply
 from gateway.turns import FinishedTurn, PreparedTurn, TurnService
@@ -104,13 +105,14 @@ async def stream_turn(
 ) -> StreamingResponse:
     """Stream `prepared` to the client in `fmt`'s events. `raw`: the reply is plain text (completions): no
     reasoning or tool-call parsing."""
-    state = request.app.state
-    turns: TurnService = state.turns
+    on = serving(request)
+    settings = services(request).settings
+    turns: TurnService = on.turns
     gen = Generation()
     agen = generate(
-        state.pool, session_id=prepared.auth.id, group_id=prepared.auth.group_id, prompt_ids=prepared.prompt_ids,
+        on.pool, session_id=prepared.auth.id, group_id=prepared.auth.group_id, prompt_ids=prepared.prompt_ids,
         sampling=prepared.sampling, max_new_tokens=prepared.max_new_tokens, top_logprobs=prepared.req.top_logprobs,
-        stream=True, max_resubmits=state.settings.max_resubmits, out=gen,
+        stream=True, max_resubmits=settings.max_resubmits, out=gen,
     )
     try:
         first: int | None = await agen.__anext__()

@@ -8,8 +8,9 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway.routes.anthropic_api import retrieve_model
+from gateway.anthropic.api import retrieve_model
 from gateway.routes.common import json_response
+from gateway.services import services, serving
 
 router = APIRouter()
 
@@ -17,7 +18,7 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request) -> Response:
     """Liveness: the process serves HTTP. 200 whatever the backends do (see /ready)."""
-    pool = request.app.state.pool
+    pool = serving(request).pool
     healthy = sum(1 for b in pool.backends() if b.healthy)
     return json_response({"status": "ok", "backends_healthy": healthy, "backends": len(pool.backends())})
 
@@ -31,11 +32,9 @@ async def ready(request: Request) -> Response:
     routes to the backends given at start before its first health round, so one not yet seen answering is
     probed here; after that the pool's health loop is the judge. Backend URLs stay out of the answer (it is
     served without a key); GET /v1/backends lists them with their last error."""
-    pool = request.app.state.pool
+    pool = serving(request).pool
     backends = pool.backends()
-    seen: set[str] | None = getattr(request.app.state, "ready_backends_seen", None)
-    if seen is None:
-        seen = request.app.state.ready_backends_seen = set()
+    seen = serving(request).ready_backends_seen
     routed = [b for b in backends if b.healthy]
     unseen = [b for b in routed if b.id not in seen]
     for backend, ok in zip(unseen, await asyncio.gather(*(b.client.probe() for b in unseen)), strict=True):
@@ -43,7 +42,7 @@ async def ready(request: Request) -> Response:
             seen.add(backend.id)
     healthy = sum(1 for b in routed if b.id in seen)
     body: dict[str, object] = {"ready": healthy > 0, "backends_healthy": healthy, "backends": len(backends)}
-    supervisor = getattr(request.app.state, "engine_supervisor", None)
+    supervisor = serving(request).engine_supervisor
     if supervisor is not None:  # `rollway serve`'s embedded engine: restarted when it dies (rollway/embedded.py)
         body["engine"] = supervisor.status()
     if healthy:
@@ -62,9 +61,9 @@ async def ready(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    m = request.app.state.metrics
-    m.set_counts(await request.app.state.store.counts())
-    m.set_eval(await request.app.state.store.eval_summary())
+    m = serving(request).metrics
+    m.set_counts(await services(request).store.counts())
+    m.set_eval(await services(request).store.eval_summary())
     return Response(m.render(), media_type="text/plain; version=0.0.4")
 
 

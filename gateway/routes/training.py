@@ -11,9 +11,10 @@ from pydantic import Field, field_validator, model_validator
 from gateway.auth import admin
 from gateway.protocol import INT32_MAX, Strict
 from gateway.routes.common import json_response, read_body
-from gateway.store.leases import LeaseRequest
-from gateway.weight_sync import router as sync_router
-from gateway.wire import LEASE_FORMATS
+from gateway.routes.weight_sync import router as sync_router
+from gateway.services import services, serving
+from gateway.store.leases import LeaseRequest, LeaseResult
+from rollway_common.wire import LEASE_FORMATS
 
 router = APIRouter()
 router.include_router(sync_router)  # publishing over process groups: /v1/weights/sync/init, /v1/weights/sync
@@ -83,13 +84,13 @@ class PublishBody(Strict):
 async def lease(request: Request) -> Response:
     await admin(request)
     body = await read_body(request, LeaseBody)
-    leases = request.app.state.leases
+    leases = serving(request).leases
     req = LeaseRequest(body.max_groups, body.lease_seconds, body.groups_per_step, body.max_head_offpolicyness,
                        body.trainer_version, body.train_constrained_turns, body.lease_format)
     deadline = time.monotonic() + body.wait_seconds
     stale_total = 0
     await leases.remember_params(req)  # admission uses them now, not only once a wait for min_groups ends
-    completions = request.app.state.completions
+    completions = serving(request).completions
     count, mark, missing = True, 0, 0
     while True:
         waited_out = time.monotonic() >= deadline
@@ -99,22 +100,22 @@ async def lease(request: Request) -> Response:
             ready = queued >= body.min_groups
             mark, missing = completions.count, body.min_groups - queued
         if ready:
-            batch_id, expires, groups, stale = await leases.lease(req)
-            stale_total += stale
-            if stale:
-                request.app.state.metrics.stale_dropped.inc(stale)
-            if groups or waited_out:
+            got = await leases.lease(req)
+            stale_total += got.dropped_stale
+            if got.dropped_stale:
+                serving(request).metrics.stale_dropped.inc(got.dropped_stale)
+            if got.groups or waited_out:
                 break
         if await request.is_disconnected():
-            batch_id, expires, groups = None, 0.0, []
+            got = LeaseResult(None, 0.0, [], 0)
             break
         woken = await completions.wait(deadline - time.monotonic())
         # Count again after a poll interval (changes through another gateway, lapsed leases) or once this gateway
         # saw as many completions as were missing: a count per completed group was ~5% of the gateway's CPU.
         count = not woken or completions.count - mark >= missing
-    out = {"batch_id": batch_id, "expires_at": expires, "groups": groups, "dropped_stale": stale_total}
+    out = {"batch_id": got.batch_id, "expires_at": got.expires_at, "groups": got.groups, "dropped_stale": stale_total}
     if body.lease_format >= 2:
-        settings = request.app.state.settings
+        settings = services(request).settings
         out["lease_format"] = body.lease_format
         if "gamma" in settings.model_fields_set:  # the deprecated gateway gamma, for a trainer without its own
             out["gamma"] = settings.gamma
@@ -125,7 +126,7 @@ async def lease(request: Request) -> Response:
 async def renew(request: Request, batch_id: str) -> Response:
     await admin(request)
     body = await read_body(request, RenewBody)
-    expires = await request.app.state.leases.renew(batch_id, body.lease_seconds)
+    expires = await serving(request).leases.renew(batch_id, body.lease_seconds)
     return json_response({"batch_id": batch_id, "expires_at": expires})
 
 
@@ -133,8 +134,8 @@ async def renew(request: Request, batch_id: str) -> Response:
 async def ack(request: Request, batch_id: str) -> Response:
     await admin(request)
     body = await read_body(request, AckBody)
-    await request.app.state.leases.ack(batch_id, body.results)
-    request.app.state.budget.notify_one()  # filtered groups leave the staleness budget: room for new ones
+    await serving(request).leases.ack(batch_id, body.results)
+    serving(request).budget.notify_one()  # filtered groups leave the staleness budget: room for new ones
     return json_response({"batch_id": batch_id, "state": "acked"})
 
 
@@ -143,14 +144,14 @@ async def publish(request: Request) -> Response:
     await admin(request)
     body = await read_body(request, PublishBody)
     batch_ids = [*([body.batch_id] if body.batch_id else []), *body.batch_ids]
-    await request.app.state.registry.reload()  # backends another gateway added take part (or are brought up)
-    out = await request.app.state.publisher.publish(body.version, body.model_path, batch_ids, body.results)
-    request.app.state.budget.notify_one()  # a new version widens the staleness budget
+    await serving(request).registry.reload()  # backends another gateway added take part (or are brought up)
+    out = await serving(request).publisher.publish(body.version, body.model_path, batch_ids, body.results)
+    serving(request).budget.notify_one()  # a new version widens the staleness budget
     return json_response(out)
 
 
 @router.get("/v1/weights")
 async def current(request: Request) -> Response:
     await admin(request)
-    version, path = await request.app.state.leases.current_weights()
+    version, path = await serving(request).leases.current_weights()
     return json_response({"version": version, "model_path": path})

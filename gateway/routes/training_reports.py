@@ -18,6 +18,7 @@ from pydantic import Field, StringConstraints, field_validator
 from gateway.auth import admin
 from gateway.protocol import INT32_MAX, Strict
 from gateway.routes.common import json_response, read_body
+from gateway.services import services
 
 router = APIRouter()
 
@@ -72,7 +73,7 @@ class TrainingStepBody(Strict):
 async def report_step(request: Request) -> Response:
     await admin(request)
     body = await read_body(request, TrainingStepBody)
-    n = await request.app.state.store.record_training_step(
+    n = await services(request).store.record_training_step(
         step=body.step, version=body.version, created_at=body.time if body.time is not None else time.time(),
         metrics=body.metrics, samples=[s.model_dump() for s in body.samples])
     return json_response({"step": body.step, "version": body.version, "samples": n})

@@ -13,6 +13,7 @@ from pydantic import Field
 from gateway.auth import admin
 from gateway.protocol import Strict
 from gateway.routes.common import json_response, read_body
+from gateway.services import services
 
 router = APIRouter()
 
@@ -26,16 +27,16 @@ class CreateViewerKey(Strict):
 async def create(request: Request) -> Response:
     await admin(request)
     body = await read_body(request, CreateViewerKey)
-    return json_response(await request.app.state.store.create_viewer_key(body.name), 201)
+    return json_response(await services(request).store.create_viewer_key(body.name), 201)
 
 
 @router.get("/v1/viewer_keys")
 async def list_keys(request: Request) -> Response:
     await admin(request)
-    return json_response({"data": await request.app.state.store.list_viewer_keys()})
+    return json_response({"data": await services(request).store.list_viewer_keys()})
 
 
 @router.delete("/v1/viewer_keys/{key_id}")
 async def revoke(request: Request, key_id: str) -> Response:
     await admin(request)
-    return json_response({**await request.app.state.store.revoke_viewer_key(key_id), "revoked": True})
+    return json_response({**await services(request).store.revoke_viewer_key(key_id), "revoked": True})

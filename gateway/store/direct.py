@@ -30,7 +30,7 @@ from sqlalchemy import JSON, Column, Table
 from sqlalchemy.dialects import postgresql
 
 from gateway.errors import Conflict, NotFound
-from gateway.store.models import Group, Session, Turn
+from gateway.store.models import TURN_RECORD_FIELDS, Group, Session, Turn, TurnRecord
 
 G = cast(Table, Group.__table__)
 S = cast(Table, Session.__table__)
@@ -40,6 +40,7 @@ _SET_BY_STORE = ("session_id", "seq", "created_at")
 INSERTED_COLUMNS = tuple(c for c in TURN_COLUMNS if c.name not in _SET_BY_STORE)
 """The columns a turn's values give (`Store.insert_turn`); the store sets the others."""
 _JSON_COLUMNS = frozenset(c.name for c in TURN_COLUMNS if isinstance(c.type, JSON))
+_RECORD_FIELDS = frozenset(TURN_RECORD_FIELDS)
 AuthRow = tuple[str, str, str, int, Any]
 """session id, group id, state, turn count, the group's sampling policy (parsed JSON)."""
 
@@ -51,32 +52,26 @@ def json_text(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
-def turn_params(values: dict[str, Any], columns: Sequence[Column[Any]] = INSERTED_COLUMNS) -> list[Any]:
-    """A turn's values in the order of `columns`, as SQLAlchemy would bind them: JSON as text, absent columns as
-    their scalar default (else NULL). Booleans stay bool (sqlite3 stores them as 0/1, as SQLAlchemy did).
-    A key that is none of `columns` raises, as SQLAlchemy's insert does: a misspelt field must not vanish (and
-    one the store sets, such as `seq`, must not override it). Counted, not looked up: no cost per call."""
+def turn_params(turn: TurnRecord, columns: Sequence[Column[Any]] = INSERTED_COLUMNS) -> list[Any]:
+    """A turn's values in the order of `columns`, as SQLAlchemy would bind them: JSON as text, a column the record
+    lacks (`reward`) as its scalar default (else NULL). Booleans stay bool (sqlite3 stores them as 0/1, as
+    SQLAlchemy did). The record's fields are checked against the table once, at import (models.py)."""
     out: list[Any] = []
-    used = 0
     for col in columns:
-        if col.name in values:
-            used += 1
-            v = values[col.name]
-            if col.name in _JSON_COLUMNS:
+        name = col.name
+        if name in _RECORD_FIELDS:
+            v = getattr(turn, name)
+            if name in _JSON_COLUMNS:
                 v = json_text(v)
         else:
             default = col.default
             v = default.arg if default is not None and default.is_scalar else None  # type: ignore[attr-defined]
         out.append(v)
-    if used != len(values):
-        unknown = sorted(set(values) - {c.name for c in columns})
-        raise UnknownColumns(f"turn values for no column of the turns table, or one the store sets: "
-                             f"{', '.join(unknown)}")
     return out
 
 
 class UnknownColumns(sqlalchemy.exc.CompileError):
-    """A turn's values name a column the table does not have: the direct path's form of the error SQLAlchemy's
+    """Values name a column the table does not have: the direct path's form of the error SQLAlchemy's
     insert raises on the Core path ("Unconsumed column names"), so one `except` catches both."""
 
 
@@ -120,17 +115,10 @@ _REWARD_READ = (f"SELECT s.group_id, s.state, s.reward, g.state, g.n_samples FRO
                 f"JOIN {G.name} g ON g.id = s.group_id WHERE s.id = {{}}")
 
 
-async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
-    """`Store.set_reward` for a session reward (no per-turn rewards), with the same checks, errors and writes:
-    the reward, with `finish` the session's end, and the group's completion, in the caller's transaction.
-    Returns the session's state after the call, and the group's new state if it moved ("complete", "dropped").
-
-    The Core path ran 6-7 statements through SQLAlchemy for this, the gateway's most frequent write after the turn
-    itself (one per session): py-spy on the demo's loop (benchmarks/loop.py) put it at ~30% of the gateway's CPU."""
-    rows = await fetch(_REWARD_READ, session_id)
-    if not rows:
-        raise NotFound(f"no session {session_id}")
-    group_id, state, old_reward, group_state, n_samples = rows[0]
+async def _reward_one(fetch: Fetch, session_id: str, state: str, old_reward: float | None, reward: float,
+                      group_state: str, finish: bool, now: float) -> str:
+    """One session's reward, as read (its `state` and `old_reward`, its group's `group_state`): the checks and
+    the write that `reward_session` and `reward_group` share. Returns the session's state after it."""
     if state == "abandoned":  # nothing changes an abandoned session (docs/http-api.md, "Lifecycle")
         raise Conflict(f"session {session_id} is abandoned; it takes no reward")
     sets: dict[str, Any] = {}
@@ -142,10 +130,25 @@ async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: b
         if state != "active":
             raise Conflict(f"session {session_id} is already {state}")
         state = "finished"
-        sets.update(state=state, end_reason=None, ended_at=time.time())
+        sets.update(state=state, end_reason=None, ended_at=now)
     if sets:
         await fetch(f"UPDATE {S.name} SET {', '.join(f'{k} = {{}}' for k in sets)} WHERE id = {{}}",
                     *sets.values(), session_id)
+    return str(state)
+
+
+async def reward_session(fetch: Fetch, session_id: str, reward: float, finish: bool) -> tuple[str, str | None]:
+    """`Store.set_reward` for a session reward (no per-turn rewards), with the same checks, errors and writes:
+    the reward, with `finish` the session's end, and the group's completion, in the caller's transaction.
+    Returns the session's state after the call, and the group's new state if it moved ("complete", "dropped").
+
+    The Core path ran 6-7 statements through SQLAlchemy for this, the gateway's most frequent write after the turn
+    itself (one per session): py-spy on the demo's loop (benchmarks/loop.py) put it at ~30% of the gateway's CPU."""
+    rows = await fetch(_REWARD_READ, session_id)
+    if not rows:
+        raise NotFound(f"no session {session_id}")
+    group_id, state, old_reward, group_state, n_samples = rows[0]
+    state = await _reward_one(fetch, session_id, state, old_reward, reward, group_state, finish, time.time())
     group_end: str | None = None
     if group_state == "open":  # Store._refresh_group, statement for statement
         sessions = await fetch(f"SELECT state, reward FROM {S.name} WHERE group_id = {{}}", group_id)
@@ -193,22 +196,7 @@ async def reward_group(fetch: Fetch, group_id: str, rewards: Sequence[tuple[str,
         row = sessions.get(session_id)
         if row is None:
             raise NotFound(f"session {session_id} is not a session of group {group_id}", param="rewards")
-        state, old_reward = row
-        if state == "abandoned":
-            raise Conflict(f"session {session_id} is abandoned; it takes no reward")
-        sets: dict[str, Any] = {}
-        if old_reward != reward:
-            if group_state in ("leased", "trained"):
-                raise Conflict(f"group of session {session_id} was already {group_state}; reward is final")
-            sets["reward"] = reward
-        if finish and state != "finished":
-            if state != "active":
-                raise Conflict(f"session {session_id} is already {state}")
-            state = "finished"
-            sets.update(state=state, end_reason=None, ended_at=now)
-        if sets:
-            await fetch(f"UPDATE {S.name} SET {', '.join(f'{k} = {{}}' for k in sets)} WHERE id = {{}}",
-                        *sets.values(), session_id)
+        state = await _reward_one(fetch, session_id, row[0], row[1], reward, group_state, finish, now)
         row[0], row[1] = state, reward
         states.append(str(state))
     group_end = None
@@ -262,8 +250,8 @@ class SqliteStatements:
     async def session_auth(self, column: str, value: str) -> AuthRow | None:
         return _auth_row(self.db.execute(f"{_AUTH}{column} = ?", (value,)).fetchone())
 
-    async def insert_turn(self, session_id: str, now: float, values: dict[str, Any]) -> int:
-        params = [session_id, 0, now, *turn_params(values)]
+    async def insert_turn(self, session_id: str, now: float, turn: TurnRecord) -> int:
+        params = [session_id, 0, now, *turn_params(turn)]
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._queue.append((session_id, now, params, done))
         if self._writer is None:  # it starts after this turn of the loop: what else is stored in it joins
@@ -408,8 +396,8 @@ class PgStatements:
     async def session_auth(self, column: str, value: str) -> AuthRow | None:
         return _auth_row(await self.pool.fetchrow(f"{_AUTH}{column} = $1", value))
 
-    async def insert_turn(self, session_id: str, now: float, values: dict[str, Any]) -> int:
-        params = turn_params(values)
+    async def insert_turn(self, session_id: str, now: float, turn: TurnRecord) -> int:
+        params = turn_params(turn)
         seq = await self.pool.fetchval(self._INSERT, now, session_id, *params)
         if seq is None:
             raise NotFound(f"no session {session_id}")

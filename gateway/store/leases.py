@@ -47,6 +47,19 @@ class SampleBuilder(Protocol):
                  req: LeaseRequest) -> list[tuple[dict[str, Any], int | None]]: ...
 
 
+@dataclass(slots=True)
+class LeaseResult:
+    """What one lease attempt took: `batch_id` None (and `expires_at` 0) when no group was leased."""
+
+    batch_id: str | None
+    expires_at: float
+    groups: list[dict[str, Any]]
+    """The leased groups with their samples, as `POST /v1/batches` answers them."""
+    dropped_stale: int
+    """Groups dropped as stale by this attempt (max_head_offpolicyness)."""
+
+
+
 class Leases:
     def __init__(self, store: Store, samples: SampleBuilder) -> None:
         self.store = store
@@ -119,15 +132,14 @@ class Leases:
         async with self.engine.connect() as conn:
             return int((await conn.execute(select(func.count()).select_from(first))).scalar_one())
 
-    async def lease(self, req: LeaseRequest) -> tuple[str | None, float, list[dict[str, Any]], int]:
-        """(batch_id, expires_at, groups with samples, groups dropped as stale)."""
+    async def lease(self, req: LeaseRequest) -> LeaseResult:
         await self.expire()
         await self.remember_params(req)
         queued = (select(G.c.id).where(and_(G.c.state == "complete", G.c.is_eval.is_(False)))
                   .order_by(G.c.completed_at).limit(req.max_groups))
         async with self.engine.connect() as conn:  # nothing queued (a long poll's usual answer): no write lock taken
             if (await conn.execute(queued.limit(1))).first() is None:
-                return None, 0.0, [], 0
+                return LeaseResult(None, 0.0, [], 0)
         version = req.trainer_version if req.trainer_version is not None else (await self.current_weights())[0]
         batch_id = new_id("batch_")
         now = time.time()
@@ -135,7 +147,7 @@ class Leases:
         async with self.store.begin() as conn:
             cands = (await conn.execute(queued)).scalars().all()
             if not cands:
-                return None, 0.0, [], 0
+                return LeaseResult(None, 0.0, [], 0)
             # Conditional update: a concurrent leaser (another gateway) can't take the same group.
             await conn.execute(
                 update(G).where(and_(G.c.id.in_(cands), G.c.state == "complete")).values(state="leased", batch_id=batch_id)
@@ -165,8 +177,8 @@ class Leases:
         if not groups:
             async with self.store.begin() as conn:
                 await conn.execute(update(B).where(B.c.id == batch_id).values(state="acked"))
-            return None, 0.0, [], len(stale)
-        return batch_id, expires, groups, len(stale)
+            return LeaseResult(None, 0.0, [], len(stale))
+        return LeaseResult(batch_id, expires, groups, len(stale))
 
     async def _group_samples(
         self, group_ids: list[str], batch_id: str, req: LeaseRequest

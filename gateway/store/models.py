@@ -1,11 +1,12 @@
 """The store's tables (SQLAlchemy 2.0 typed ORM). Schema changes only through Alembic revisions.
 
 groups -> sessions -> turns, plus leases (batches), the weight-version state and the backend registry.
-Token arrays are little-endian binary (`gateway.wire.pack`), never JSON lists. Times are epoch seconds.
+Token arrays are little-endian binary (`rollway_common.wire.pack`), never JSON lists. Times are epoch seconds.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, LargeBinary, MetaData, String, false
@@ -81,7 +82,8 @@ class Turn(Base):
     parent_id: Mapped[str | None] = mapped_column(String(64))
     endpoint: Mapped[str] = mapped_column(String(32))
     request: Mapped[dict[str, Any]] = mapped_column(JSON)
-    """messages (as received, normalised to dicts), tools, sampling asked and sampling used."""
+    """messages (as received, normalised to dicts), tools, sampling asked and sampling used; for a turn that
+    extends its parent, a delta on the parent's request (`gateway/store/requests.py`: read whole through it)."""
     reply: Mapped[dict[str, Any]] = mapped_column(JSON)
     """The assistant message returned (content, reasoning_content, tool_calls)."""
     prompt_ids: Mapped[bytes] = mapped_column(LargeBinary)
@@ -103,6 +105,40 @@ class Turn(Base):
     the trainer recomputes, so they are kept out of the loss by default (gateway/samples.py)."""
 
     __table_args__ = (Index("ix_turns_session_seq", "session_id", "seq", unique=True),)
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    """One turn as the gateway records it (`Store.insert_turn`): a value for each column of `turns` but those
+    the store sets (`session_id`, `seq`, `created_at`) and `reward` (set later, by a reward call). Token
+    arrays are packed (`rollway_common.wire.pack`); the meaning of each field is its column's (Turn above)."""
+
+    id: str
+    parent_id: str | None
+    endpoint: str
+    request: dict[str, Any]
+    reply: dict[str, Any]
+    prompt_ids: bytes
+    prompt_len: int
+    completion_ids: bytes
+    logprobs: bytes
+    versions: bytes
+    temperature: float
+    finish_reason: str
+    continuity: str
+    chain_reason: str | None
+    timings: dict[str, Any]
+    client_disconnected: bool = False
+    constrained: bool = False
+
+    def values(self) -> dict[str, Any]:
+        """Column name -> value, for an insert through SQLAlchemy."""
+        return {name: getattr(self, name) for name in TURN_RECORD_FIELDS}
+
+
+TURN_RECORD_FIELDS: tuple[str, ...] = tuple(TurnRecord.__dataclass_fields__)
+if unknown := set(TURN_RECORD_FIELDS) - set(Turn.__table__.columns.keys()):  # a rename of one without the other
+    raise RuntimeError(f"TurnRecord fields that are no column of turns: {sorted(unknown)}")
 
 
 class Batch(Base):

@@ -1,7 +1,7 @@
 """The store's viewer side (issue 16): viewer keys, signed-in /ui cookies, and what the trainer reports.
 
 `Store` inherits these methods (`ViewerStore`), so the gateway, `rollway view` and the pages in gateway/ui/
-all call them on `app.state.store`. Reading methods for the pages:
+all call them on `Services.store` (gateway/services.py). Reading methods for the pages:
 
     await store.training_steps(after_version=None, limit=1000)   # per step: loss, kl, entropy, ... (oldest first)
     await store.session_advantages(["sess_...", ...])            # per session: advantage, version, step, ...

@@ -33,7 +33,7 @@ from gateway.store.direct import (
     SqliteStatements,
     row_params,
 )
-from gateway.store.models import Group, Session, Turn
+from gateway.store.models import Group, Session, Turn, TurnRecord
 from gateway.store.reports import ViewerStore
 from gateway.store.requests import expand
 from gateway.store.views import mean_std
@@ -213,11 +213,11 @@ class Store(ViewerStore):
             expand(turns)
         return out
 
-    async def insert_turn(self, session_id: str, values: dict[str, Any]) -> int:
+    async def insert_turn(self, session_id: str, turn: TurnRecord) -> int:
         """Store one turn and bump the session's turn count; returns the turn's seq. Durable on return."""
         now = time.time()
         if self.direct is not None:
-            return await self.direct.insert_turn(session_id, now, values)
+            return await self.direct.insert_turn(session_id, now, turn)
         async with self.begin() as conn:
             seq = (
                 await conn.execute(
@@ -229,7 +229,7 @@ class Store(ViewerStore):
             ).scalar()
             if seq is None:
                 raise NotFound(f"no session {session_id}")
-            await conn.execute(T.insert().values(session_id=session_id, seq=seq, created_at=now, **values))
+            await conn.execute(T.insert().values(session_id=session_id, seq=seq, created_at=now, **turn.values()))
         return int(seq)
 
     # --- rewards and lifecycle -------------------------------------------------------------------

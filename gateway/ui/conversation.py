@@ -18,7 +18,7 @@ from gateway.store.db import DbEngine
 from gateway.store.models import Turn
 from gateway.store.store import TurnRow
 from gateway.store.views import LightTurn
-from gateway.wire import unpack
+from rollway_common.wire import unpack
 
 T = cast(Table, Turn.__table__)
 SHOWN_CHARS = 2000

@@ -24,6 +24,7 @@ from typing import Any, cast
 from sqlalchemy import Float, Table, and_, func, select
 from sqlalchemy import cast as sql_cast
 
+from gateway.services import Services
 from gateway.store.db import DbConnection
 from gateway.store.models import Batch, Group, Session, TrainedSample, TrainingStep, WeightState
 from gateway.store.store import Store
@@ -95,8 +96,8 @@ async def leases(conn: DbConnection, now: float, *, offset: int = 0, limit: int 
             "by_state": by_state, "trainer_last_seen": max((float(x) for x in seen if x is not None), default=None)}
 
 
-async def overview(state: Any) -> dict[str, Any]:
-    store: Store = state.store
+async def overview(svc: Services) -> dict[str, Any]:
+    store: Store = svc.store
     now = time.time()
     async with store.engine.connect() as conn:
         published: list[Any] = list((await conn.execute(select(W.c.version, W.c.published_at).order_by(W.c.version))).all())
@@ -123,12 +124,12 @@ async def overview(state: Any) -> dict[str, Any]:
         queued = int((await conn.execute(select(func.count()).where(G.c.state == "complete",
                                                                     G.c.is_eval.is_(False)))).scalar_one())
     steps = await store.training_steps(limit=10_000)
-    pool = getattr(state, "pool", None)
+    pool = svc.serving.pool if svc.serving is not None else None
     backends = [{"id": b.id, "url": b.url, "healthy": b.healthy, "in_flight": b.in_flight,
                  "weight_version": b.weight_version} for b in (pool.backends() if pool is not None else [])]
     return {
         "now": now,
-        "view_only": bool(getattr(state, "view_only", False)),
+        "view_only": svc.view_only,
         "version": versions[-1]["version"] if versions else 0,
         "versions": versions,
         "groups": states, "dropped": dropped, "sessions": sessions,

@@ -21,6 +21,7 @@ import gateway.ui.queries as queries
 from gateway.errors import BadRequest, GatewayError, NotFound
 from gateway.records import session_record
 from gateway.routes.common import json_response
+from gateway.services import services
 from gateway.store.store import Store
 from gateway.store.views import light_turns, off_loop
 from gateway.ui.conversation import token_turns, turn_views
@@ -105,24 +106,21 @@ def _json(data: Any, status: int = 200) -> Response:
 
 
 def _chain_cache(request: Request) -> ChainCache:
-    cache: ChainCache | None = getattr(request.app.state, "ui_chains", None)
-    if cache is None:
-        cache = request.app.state.ui_chains = ChainCache()
-    return cache
+    return services(request).ui_chains
 
 
 def _token_text(request: Request) -> TokenText:
-    text: TokenText | None = getattr(request.app.state, "ui_token_text", None)
+    svc = services(request)
+    text = svc.ui_token_text
     if text is None:
-        template = getattr(request.app.state, "template", None)
-        text = request.app.state.ui_token_text = TokenText(getattr(template, "tokenizer", None))
+        text = svc.ui_token_text = TokenText(svc.serving.template.tokenizer if svc.serving is not None else None)
     return text
 
 
 async def _chains(request: Request, session_id: str, session: dict[str, Any] | None = None) -> Entry:
     """The session's chains (from the cache while its turn count holds) and its turn ids in order. One build
     per key at a time: the session page starts it, and the token view's first request waits for that one."""
-    store: Store = request.app.state.store
+    store: Store = services(request).store
     if session is None:
         session = await _session_row(store, session_id)
     cache = _chain_cache(request)
@@ -139,7 +137,7 @@ async def _chains(request: Request, session_id: str, session: dict[str, Any] | N
 async def _build(request: Request, session_id: str, session: dict[str, Any], key: tuple[str, int]) -> Entry:
     cache = _chain_cache(request)
     try:
-        store: Store = request.app.state.store
+        store: Store = services(request).store
         rows = await off_loop(store.engine, lambda: token_turns(store.engine, session_id))  # ~10 MB for 200 turns
         # A walk over the turns, not the tokens (~10 ms for 200 turns of 4k tokens); off the loop all the same,
         # for the drift report's compare of a broken chain against the earlier ones.
@@ -178,8 +176,8 @@ async def groups_page(request: Request) -> Response:
     try:
         caller.require_run_wide()
         f, pg, limit = await _group_page(request, default_kind="train")
-        total = await queries.count_groups(request.app.state.store.engine, f)
-        reasons = await queries.drop_reasons(request.app.state.store.engine)
+        total = await queries.count_groups(services(request).store.engine, f)
+        reasons = await queries.drop_reasons(services(request).store.engine)
     except UiSignInRequired:
         raise
     except GatewayError as e:
@@ -198,7 +196,7 @@ async def _group_page(request: Request, *, default_kind: str | None = None) -> t
         limit = int(q.get("limit") or 50)
     except ValueError:
         raise BadRequest("limit must be an integer", param="limit") from None
-    pg = await queries.list_groups(request.app.state.store.engine, f, limit=limit, after=q.get("after") or None,
+    pg = await queries.list_groups(services(request).store.engine, f, limit=limit, after=q.get("after") or None,
                                    before=q.get("before") or None, last=q.get("last") == "1")
     return f, pg, limit
 
@@ -222,7 +220,7 @@ async def session_page(request: Request, session_id: str) -> Response:
     caller = await _caller(request)
     try:
         caller.require_session(session_id)
-        store: Store = request.app.state.store
+        store: Store = services(request).store
         session = await _session_row(store, session_id)
         rows = await light_turns(store.engine, session_id)
         group = await store.group(session["group_id"])
@@ -263,7 +261,7 @@ async def search_page(request: Request) -> Response:
         caller.require_run_wide()
         if len(text) > queries.MAX_TEXT or "\x00" in text:
             raise BadRequest(f"search text must be at most {queries.MAX_TEXT} characters, without NUL", param="q")
-        engine = request.app.state.store.engine
+        engine = services(request).store.engine
         found = await queries.find_ids(engine, text) if text else {"sessions": [], "groups": []}
         exact = [x for x in found["sessions"] if x["id"] == text] or [x for x in found["groups"] if x["id"] == text]
         if exact:
@@ -288,10 +286,10 @@ OVERVIEW_TTL_S = 4.0
 @router.get("/ui/api/overview")
 async def overview_json(request: Request) -> Response:
     (await _caller(request)).require_run_wide()
-    state = request.app.state
-    cached: tuple[float, dict[str, Any]] | None = getattr(state, "ui_overview", None)
+    svc = services(request)
+    cached = svc.ui_overview
     if cached is None or time.monotonic() - cached[0] > OVERVIEW_TTL_S:
-        cached = state.ui_overview = (time.monotonic(), await off_loop(state.store.engine, lambda: overview_data.overview(state)))
+        cached = svc.ui_overview = (time.monotonic(), await off_loop(svc.store.engine, lambda: overview_data.overview(svc)))
     return _json(cached[1])
 
 
@@ -308,7 +306,7 @@ async def leases_json(request: Request) -> Response:
     if not 0 <= offset < 2**31 or not 1 <= limit <= 100:
         raise BadRequest("offset must be >= 0 and limit 1..100", param="limit")
     now = time.time()
-    async with request.app.state.store.engine.connect() as conn:
+    async with services(request).store.engine.connect() as conn:
         out = await overview_data.leases(conn, now, offset=offset, limit=limit)
     return _json({**out, "now": now})
 
@@ -318,7 +316,7 @@ async def groups_json(request: Request) -> Response:
     (await _caller(request)).require_run_wide()
     f, pg, _ = await _group_page(request)
     return _json({"object": "list", "data": pg.rows, "next": pg.next, "prev": pg.prev,
-                  "total": await queries.count_groups(request.app.state.store.engine, f)})
+                  "total": await queries.count_groups(services(request).store.engine, f)})
 
 
 @router.get("/ui/api/groups/{group_id}")
@@ -331,7 +329,7 @@ async def group_json(request: Request, group_id: str) -> Response:
 async def session_json(request: Request, session_id: str) -> Response:
     """The whole session as GET /v1/sessions/{id} gives it (the page's copy and export)."""
     (await _caller(request)).require_session(session_id)
-    session, rows = await request.app.state.store.session(session_id)
+    session, rows = await services(request).store.session(session_id)
     response = _json(session_record(session, rows))
     if request.query_params.get("download") == "1":
         response.headers["Content-Disposition"] = f'attachment; filename="{session_id}.json"'
@@ -350,7 +348,7 @@ async def chains_json(request: Request, session_id: str) -> Response:
 async def session_summary(request: Request, session_id: str) -> Response:
     """What the session page polls: it reloads its turns when `turn_count` moved."""
     (await _caller(request)).require_session(session_id)
-    session = await _session_row(request.app.state.store, session_id)
+    session = await _session_row(services(request).store, session_id)
     return _json({k: session[k] for k in ("id", "state", "reward", "turn_count", "end_reason", "ended_at")})
 
 
@@ -358,7 +356,7 @@ async def session_summary(request: Request, session_id: str) -> Response:
 async def turn_json(request: Request, session_id: str, turn_id: str) -> Response:
     """One turn's messages and reply in full (the page shows long texts cut; this fills them in)."""
     (await _caller(request)).require_session(session_id)
-    _, rows = await request.app.state.store.session(session_id)
+    _, rows = await services(request).store.session(session_id)
     for r in rows:
         if r.id == turn_id:
             return _json({"id": r.id, "seq": r.seq, "request": r.request, "reply": r.reply})
@@ -411,7 +409,7 @@ async def group_data(request: Request, group_id: str) -> dict[str, Any]:
     """A group with, per session: reward, advantage, turns, tokens, versions, tool calls, outcome."""
     from gateway.ui.conversation import session_stats
 
-    store: Store = request.app.state.store
+    store: Store = services(request).store
     group = await store.group(group_id)
     advantages = await store.group_advantages(group_id)
     stats = await session_stats(store.engine, [s["id"] for s in group["sessions"]])

@@ -31,7 +31,7 @@ import numpy as np
 
 from gateway.samples import session_sequences
 from gateway.store.store import TurnRow
-from gateway.wire import pack, unpack
+from rollway_common.wire import pack, unpack
 
 PAGE_TOKENS = 2048
 """Tokens per page of the token view: a bounded payload (~60 KB of JSON) whatever the chain's length."""

@@ -1,7 +1,7 @@
 """One stack for the client tests, started once for this package's tests.
 
-`tuned_model` (once per pytest session): the tiny model fine-tuned to think, call the calculate tool and
-answer (tests/clients/model.py), cached in pytest's cache folder by a hash of what makes it. `stack`:
+`tuned_model`: the tiny model fine-tuned to think, call the calculate tool and answer (tests/clients/model.py),
+committed under tests/clients/tuned-model so that no test depends on the CPU that would train it. `stack`:
 `rollway engine` on it, a recording proxy, and `rollway serve --backend <proxy>` on a SQLite file;
 `stack.new_session()` creates a greedy group of one session and hands back its credentials;
 `assert_engine_chain` checks that what the gateway stored for a session is exactly what the engine
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import secrets
 import subprocess
@@ -26,8 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.clients.model import PROBLEMS
-from tests.clients.model import tuned_model as make_tuned_model
+from tests.clients.model import COMMITTED
 from tests.clients.proxy import RecordingProxy
 
 
@@ -109,23 +107,11 @@ def assert_engine_chain(stack: Stack, session_id: str, since: int, *, turns: int
 
 
 @pytest.fixture(scope="session")
-def tuned_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cache = getattr(request.config, "cache", None)
-    folder = Path(cache.mkdir("rollway-clients-model")) if cache is not None else tmp_path_factory.mktemp("tuned")
-    return make_tuned_model(folder, log=sys.stderr)
-
-
-@pytest.fixture(autouse=True)
-def _needs_trained_forms(request: pytest.FixtureRequest) -> None:
-    """A `trained_forms` test needs the tool round trip the tuned model was trained on; where this CPU's build of the
-    model lacks it (tests/clients/model.py PROBLEMS), the test is skipped with what the model answered instead."""
-    if request.node.get_closest_marker("trained_forms") is None:
-        return
-    model = request.getfixturevalue("tuned_model")
-    problems = json.loads((model / PROBLEMS).read_text()) if (model / PROBLEMS).is_file() else []
-    if problems:
-        pytest.skip(f"the tuned model built on this CPU lacks the trained forms ({len(problems)} prompts), e.g. "
-                    f"{problems[0][:200]}")
+def tuned_model() -> Path:
+    """The committed tuned model (tests/clients/tuned-model, built by `python -m tests.clients.model`); whether it
+    follows the current recipe and has every trained form is tests/clients/test_tuned_model.py's to say."""
+    assert (COMMITTED / "config.json").is_file(), f"no tuned model at {COMMITTED}: run python -m tests.clients.model"
+    return COMMITTED
 
 
 @pytest.fixture(scope="package")  # not held through the rest of a whole-suite run

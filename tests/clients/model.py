@@ -11,8 +11,13 @@ The random tiny model never calls a tool or thinks, so the client tests fine-tun
 
 The tool schema is drawn from the shapes the three SDKs send (OpenAI's function tool as written, the
 OpenAI Agents SDK's `@function_tool` schema with titles and `additionalProperties`), so the model calls the
-tool whichever client rendered it. The result is cached by a hash of the data, the SFT options and the tiny
-model's source (not the trainer's code: delete the cache folder after changing it), so a rerun reuses it.
+tool whichever client rendered it.
+
+The built weights are committed (COMMITTED, with BUILD_INFO: the recipe and what it was built on), so that the
+tests do not depend on the CPU that would train them. `python -m tests.clients.model` rebuilds them (deterministic
+on one machine; minutes) and `behaviour_problems` is the check they must pass (tests/clients/test_tuned_model.py:
+a rebuild is due when the recipe changes, and the check fails the suite, naming each prompt, when the weights lack
+a trained form). The scripts' client matrix (scripts/client_matrix.py) serves the same weights.
 """
 
 from __future__ import annotations
@@ -45,20 +50,25 @@ AGENTS_TOOL_SCHEMA: dict[str, Any] = {
     "required": ["expression"], "title": "calculate_args", "type": "object", "additionalProperties": False,
 }
 # Measured on the shared 2-core machine: 80 steps of 4 chats took 83 s of steps under load (0.6 s a step when
-# quiet), 94 s with torchrun's start; after them every greedy reply had the trained form (24 steps of 8 gave
-# garbled calls, 40 of 8 at lr 5e-3 thought again after the tool's result). More chats a step cost time but
-# teach little: the number of steps is what counts. On an AVX-512 machine the 80-step model put `</think>` where
-# `<tool_call>` goes (7 client tests failed): 120 steps give every trained form there too.
-SFT_STEPS = 120
-PROBLEMS = "behaviour-problems.json"
-"""Beside the tuned weights: what `behaviour_problems` found (the trained form missing for a prompt the tests send).
-CPU kernels differ by instruction set and so do the weights: the same 120 steps that give every trained form on an
-AVX-512 machine gave `</think>` inside `<tool_call>` and no answer after the tool on an AMD EPYC, and training on
-(to 480 steps at this lr) made it worse, not better. The tests that need the tool round trip are marked
-`trained_forms` and are skipped, saying why, where the model lacks it (tests/clients/conftest.py)."""
+# quiet); more chats a step cost time but teach little: the number of steps is what counts. One phase at a constant
+# lr 3e-3 stops wherever Adam's last large steps left it, and that differs by CPU: 120 steps gave every trained form
+# on an AVX-512 machine, `</think>` inside `<tool_call>` on an AMD EPYC (and 480 steps at that lr were worse there).
+# So the recipe anneals: PHASES is (steps, lr, seed) per `rollway train` run, each starting from the last one's
+# export with a fresh optimizer; the low-lr phases settle the weights instead of leaving them mid-jump. Measured on
+# the AMD EPYC (2 shared cores, load ~18), with uniform operands: 8 of 18 prompts misformed after phase 1, 2 after
+# phase 2 and after phase 3 (both "What is 3*4?" asked alone, which the check no longer asks: CHECK_QUESTIONS); with
+# one-digit operands a third of the time (the committed build, 1108 s), none of the check's prompts.
+PHASES: tuple[tuple[int, float, int], ...] = ((120, 3e-3, 0), (120, 3e-4, 1), (120, 3e-4, 2))
 SFT_BATCH = 4
-SFT_LR = 3e-3
 SFT_SEED = 0
+"""The data's seed."""
+SFT_CHATS = 480
+"""Chats in the SFT data (one epoch = SFT_CHATS / SFT_BATCH = 120 steps; each phase reads it in its own order)."""
+COMMITTED = Path(__file__).parent / "tuned-model"
+"""The built weights, committed (built once by `python -m tests.clients.model`), so that the client tests do not
+depend on the CPU that would train them: CPU kernels differ by instruction set, and so would the weights."""
+BUILD_INFO = "build.json"
+"""Beside the weights: the recipe they were built from (`recipe()`), its key, torch, CPU, time, the problems found."""
 _WORDS = ("the a of to and in is it that for on with as was at by be this from or have not are but what all "
           "when we there can one your which said if do will each about how up out then so some would other "
           "into has more two like see time could no make than first been who now people my made over did").split()
@@ -79,9 +89,15 @@ def calculate(expression: str) -> str:
     return "error: unsupported expression"
 
 
+def _operand(rng: random.Random) -> int:
+    """One digit a third of the time: with 0-99 uniform, two one-digit operands ("3*4", a test's question) came up
+    in 1% of the chats, and the model built on an AMD EPYC misformed the call for exactly that question."""
+    return rng.randint(0, 9) if rng.random() < 1 / 3 else rng.randint(10, 99)
+
+
 def question(rng: random.Random) -> tuple[str, str]:
     """('What is 12+7?', '12+7')."""
-    expression = f"{rng.randint(0, 99)}{rng.choice('+-*')}{rng.randint(0, 99)}"
+    expression = f"{_operand(rng)}{rng.choice('+-*')}{_operand(rng)}"
     return f"What is {expression}?", expression
 
 
@@ -110,19 +126,22 @@ def _plain_chat(rng: random.Random) -> dict[str, Any]:
 def sft_data() -> str:
     """The SFT chats as JSONL: three tool chats for each plain one."""
     rng = random.Random(SFT_SEED)
-    lines = [json.dumps(_plain_chat(rng) if i % 4 == 3 else _tool_chat(rng))
-             for i in range(SFT_STEPS * SFT_BATCH)]
+    lines = [json.dumps(_plain_chat(rng) if i % 4 == 3 else _tool_chat(rng)) for i in range(SFT_CHATS)]
     return "\n".join(lines) + "\n"
 
 
-def _sft_args(model: Path, out: Path, data: Path, steps: int = SFT_STEPS) -> list[str]:
+def _sft_args(model: Path, out: Path, data: Path, steps: int, lr: float, seed: int) -> list[str]:
     return ["--mode", "sft", "--model", str(model), "--out", str(out), "--sft-data", str(data),
-            "--steps", str(steps), "--lr", str(SFT_LR), "--nproc", "1", "--seed", str(SFT_SEED),
+            "--steps", str(steps), "--lr", str(lr), "--nproc", "1", "--seed", str(seed),
             "--sft-batch-sequences", str(SFT_BATCH), "--checkpoint-every", "1000"]
 
 
-CHECK_QUESTIONS = ("What is 12+7?", "What is 3*4?", "What is 45-9?", "What is 8*23?")
-"""The tests' questions (12+7, and 3*4 in the Agents SDK's second run) and two more."""
+CHECK_QUESTIONS = ("What is 12+7?", "What is 45-9?", "What is 8*23?", "What is 60+31?")
+"""The question every tool test starts with (12+7) and three more. Not "What is 3*4?": the one test that sends it
+(the Agents SDK's second run) sends it after a whole first run and accepts whatever the model does with it; asked
+alone, it was the one prompt that three builds on an AMD EPYC misformed (`<think>` twice), with uniform operands and
+with one-digit ones a third of the time."""
+CHECK_GREETINGS = ("Hello there.", "What can you do?")
 
 
 def behaviour_problems(model_dir: Path) -> list[str]:
@@ -167,53 +186,86 @@ def behaviour_problems(model_dir: Path) -> list[str]:
                          {"role": "tool", "tool_call_id": "call_0", "content": calculate(expression)}]
             if (got := reply(messages, [openai_tool(schema)])) != ANSWER:
                 problems.append(f"{q!r} after the tool: {got!r}")
-    for text in ("Hello there.", "What can you do?"):
+    for text in CHECK_GREETINGS:
         if (got := reply([{"role": "user", "content": text}])) != GREETING:
             problems.append(f"{text!r}: {got!r}")
     return problems
 
 
-def cache_key() -> str:
-    """What the tuned weights follow from: the data, the SFT options and the tiny model's source."""
+def recipe() -> dict[str, Any]:
+    """What the tuned weights follow from (recorded in BUILD_INFO beside them): the SFT phases' options, the
+    data's and the tiny model's source hashes, the check's prompts."""
     import engine.tiny_model
 
-    h = hashlib.sha256()
-    h.update(sft_data().encode())
-    h.update(json.dumps([_sft_args(Path("M"), Path("O"), Path("D")), CHECK_QUESTIONS]).encode())
-    h.update(Path(engine.tiny_model.__file__).read_bytes())
-    return h.hexdigest()[:16]
+    return {"phases": [_sft_args(Path("BASE" if i == 0 else f"PHASE{i}"), Path(f"PHASE{i + 1}"), Path("DATA"),
+                                 steps, lr, seed) for i, (steps, lr, seed) in enumerate(PHASES)],
+            "data_sha256": hashlib.sha256(sft_data().encode()).hexdigest(),
+            "tiny_model_sha256": hashlib.sha256(Path(engine.tiny_model.__file__).read_bytes()).hexdigest(),
+            "check": [CHECK_QUESTIONS, CHECK_GREETINGS]}
 
 
-def tuned_model(cache_dir: Path, log: Any = None) -> Path:
-    """The tuned model's folder under `cache_dir/<key>`, made on the first call for that key."""
-    final = cache_dir / cache_key() / "model"
-    if (final / "config.json").is_file():
-        return final
+def cache_key() -> str:
+    return hashlib.sha256(json.dumps(recipe(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build(out: Path, log: Any = None) -> list[str]:
+    """Build the tuned model into `out` (replaced): the tiny model (seed 0), then each of PHASES as one
+    `rollway train --mode sft` run on the previous phase's export; then `behaviour_problems` on the result.
+    Writes BUILD_INFO (the recipe, its key, the torch version and CPU it was built with, the time it took and
+    the problems found) beside the weights and returns the problems (empty: fit for the tests)."""
+    import platform
+
+    import torch
+
     from engine.tiny_model import create_tiny_model
 
-    work = cache_dir / f"tmp-{os.getpid()}-{time.monotonic_ns()}"
+    out = out.resolve()
+    work = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     t0 = time.monotonic()
     try:
-        base = create_tiny_model(work / "base", seed=0)
+        source = create_tiny_model(work / "base", seed=0)
         data = work / "sft.jsonl"
         data.write_text(sft_data())
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        proc = subprocess.run([sys.executable, "-m", "rollway.cli", "train", *_sft_args(base, work / "sft", data)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"SFT failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
-        problems = behaviour_problems(work / "sft" / "weights" / "sft-final")
-        (work / "sft" / "weights" / "sft-final" / PROBLEMS).write_text(json.dumps(problems, indent=1))
-        final.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            (work / "sft" / "weights" / "sft-final").rename(final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not a concurrent run that got there first
-                raise
+        for i, (steps, lr, seed) in enumerate(PHASES):
+            run = work / f"phase{i + 1}"
+            proc = subprocess.run(
+                [sys.executable, "-m", "rollway.cli", "train", *_sft_args(source, run, data, steps, lr, seed)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"SFT phase {i + 1} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+            source = run / "weights" / "sft-final"
+            if log is not None:
+                print(f"phase {i + 1}: {steps} steps at lr {lr} done at {time.monotonic() - t0:.0f}s", file=log,
+                      flush=True)
+        problems = behaviour_problems(source)
+        if log is not None:
+            print(f"checked at {time.monotonic() - t0:.0f}s: {len(problems)} problem(s)", file=log, flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        for f in sorted(source.iterdir()):
+            if f.is_file():
+                shutil.copy2(f, out / f.name)
+        cpuinfo = Path("/proc/cpuinfo")
+        names = [ln.split(":", 1)[1].strip() for ln in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+                 if ln.startswith("model name")]
+        info = {"key": cache_key(), "recipe": recipe(), "torch": torch.__version__,
+                "cpu": names[0] if names else platform.processor() or platform.machine(), "seconds": round(time.monotonic() - t0),
+                "problems": problems}
+        (out / BUILD_INFO).write_text(json.dumps(info, indent=1) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if log is not None:
-        print(f"tuned model: {SFT_STEPS} SFT steps in {time.monotonic() - t0:.1f}s -> {final}; "
-              f"{len(problems)} prompt(s) without the trained form", file=log)
-    return final
+    return problems
+
+
+def main() -> int:
+    """`python -m tests.clients.model [OUT]`: build the tuned model into OUT (default: COMMITTED) and check it."""
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else COMMITTED
+    problems = build(out, log=sys.stderr)
+    print(json.dumps({"out": str(out), "key": cache_key(), "problems": problems}))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

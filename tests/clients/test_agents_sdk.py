@@ -55,7 +55,6 @@ def _responses(raw: list[Any]) -> list[list[Any]]:
     return out
 
 
-@pytest.mark.trained_forms
 def test_run_streamed_with_a_function_tool(stack: Stack) -> None:
     s, since = stack.new_session(), stack.proxy.mark()
     calls: list[str] = []
@@ -112,7 +111,6 @@ def test_run_streamed_with_tool_choice_required(stack: Stack) -> None:
     assert_engine_chain(stack, s.id, since, turns=2)
 
 
-@pytest.mark.trained_forms
 def test_a_second_run_on_the_first_runs_items_extends_the_chain(stack: Stack) -> None:
     """A chat app's next message: `result.to_input_list()` (reasoning, call, output and answer items as the
     SDK keeps them) plus a new user message, streamed again; all the turns are one chain."""

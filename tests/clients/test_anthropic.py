@@ -108,7 +108,6 @@ def _tool_use_then_result(s: ClientSession, first: Any, *, drop_thinking: bool, 
                                                    "content": calculate(str(use.input["expression"]))}]}])
 
 
-@pytest.mark.trained_forms
 def test_two_step_tool_use(stack: Stack) -> None:
     """tool_use -> tool_result -> final text, one token chain; the client sends back only the tool_use
     (as agents that ignore thinking do)."""
@@ -125,7 +124,6 @@ def test_two_step_tool_use(stack: Stack) -> None:
     assert call["result"] == calculate(str(first.content[-1].input["expression"]))
 
 
-@pytest.mark.trained_forms
 def test_thinking_block_with_signature_keeps_the_chain(stack: Stack) -> None:
     """With `thinking` on, the model's `<think>` comes back as a signed thinking block; sent back unchanged
     (as Anthropic requires during tool use) the next turn extends the chain. A changed thinking text is
@@ -151,7 +149,6 @@ def test_thinking_block_with_signature_keeps_the_chain(stack: Stack) -> None:
     assert stack.proxy.generate_records(since)[2:] == []
 
 
-@pytest.mark.trained_forms
 def test_streamed_thinking_and_tool_use_round_trip(stack: Stack) -> None:
     """Both steps streamed with `messages.stream`: the thinking block's streamed signature verifies when the
     final message's blocks are sent back, and the second turn extends the first."""

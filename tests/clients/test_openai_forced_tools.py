@@ -97,17 +97,18 @@ def test_constrained_turn_is_out_of_the_loss(stack: Stack) -> None:
     """RL correctness: tokens sampled under a grammar are not samples of the policy, so the leased sample
     of a session whose first turn was forced has loss mask 0 on that turn's completion and 1 on the free
     answer after the tool's result."""
-    from rollway.wire import decode_array
+    from rollway_common.wire import decode_array
 
     s, since = stack.new_session(), stack.proxy.mark()
     messages: list[dict[str, Any]] = [{"role": "system", "content": model.SYSTEM},
                                       {"role": "user", "content": "What is 12+7?"}]
     first = client(s).chat.completions.create(model="policy", max_tokens=128, tools=[model.openai_tool()],
                                               tool_choice="required", messages=messages)
-    [call] = first.choices[0].message.tool_calls
+    calls = first.choices[0].message.tool_calls  # "required" allows several: the grammar decides, not training
+    assert calls
     messages += [first.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id,
-                  "content": model.calculate(json.loads(call.function.arguments)["expression"])}]
+                 *({"role": "tool", "tool_call_id": call.id,
+                    "content": model.calculate(json.loads(call.function.arguments)["expression"])} for call in calls)]
     second = client(s).chat.completions.create(model="policy", max_tokens=128, tools=[model.openai_tool()],
                                                messages=messages)
     assert second.choices[0].finish_reason == "stop" and not second.choices[0].message.tool_calls

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.services import app_serving
 from rollway.embedded import engine_process
 from tests.harness import LiveGateway
 
@@ -62,7 +63,7 @@ def test_client_gone_aborts_engine_and_stores_partial(engine_url: str, tiny_mode
         assert 0 < len(partial) < MAX_TOKENS
         assert len(turn["logprobs"]) == len(partial)
         # the stored ids are the engine's: the same prompt, greedy, for that many tokens
-        stops = sorted(gw.app.state.turns.stop_ids)
+        stops = sorted(app_serving(gw.app).turns.stop_ids)
         replay = httpx.post(f"{engine_url}/generate", timeout=120, json={
             "input_ids": turn["prompt_ids"], "return_logprob": True,
             "sampling_params": {"max_new_tokens": len(partial), "temperature": 0.0, "stop_token_ids": stops,

@@ -50,3 +50,33 @@ def test_embedded_serve_and_ctrl_c(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_serve_with_admin_key_into_a_new_data_dir(tmp_path: Path) -> None:
+    """`serve --model DIR --data-dir NEW` with ROLLWAY_ADMIN_KEY set: the data folder (engine.log, the SQLite
+    store) is made although no key is generated into it (it crashed with FileNotFoundError on engine.log)."""
+    from engine.tiny_model import create_tiny_model
+
+    model = create_tiny_model(tmp_path / "model", seed=0)
+    data = tmp_path / "new" / "data"
+    port = free_port()
+    key = "rw-admin-test-" + "k" * 24
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollway.cli", "serve", "--port", str(port), "--model", str(model),
+         "--data-dir", str(data)],
+        env={**os.environ, "ROLLWAY_ADMIN_KEY": key}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout=180)
+        r = httpx.post(f"{url}/v1/groups", json={"task": {}, "n_samples": 1}, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 201, r.text
+        assert (data / "engine.log").is_file()
+        assert not (data / "admin_key").exists()  # the environment's key is used, none is generated
+        assert data.stat().st_mode & 0o777 == 0o700
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()

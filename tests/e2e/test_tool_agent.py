@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from rollway.embedded import engine_process, free_port, stop, wait_healthy
-from rollway.paths import agent_file
+from rollway_common.paths import agent_file
 
 pytestmark = pytest.mark.slow
 

@@ -46,7 +46,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rollway.json_schema_check import unsupported_reason
+from rollway_common.json_schema_check import unsupported_reason
 from tests.fakes.serve import ServerThread, serve_forever
 from tests.fakes.sglang_gen import Generation, abort_finish, bad, cached_prefix, event, render, step, validate
 

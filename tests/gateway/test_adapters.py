@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from gateway.adapters import Adapters
+from gateway.services import app_serving
 from tests.fakes.sglang import FakeSGLang
 from tests.harness import LiveGateway
 
@@ -30,7 +31,7 @@ def gateway(fake: FakeSGLang, tiny_model_dir: Path, db_url: str) -> Iterator[Liv
 
 
 def _adapters(gw: LiveGateway) -> Adapters:
-    return gw.app.state.publisher.adapters  # type: ignore[no-any-return]
+    return app_serving(gw.app).publisher.adapters  # type: ignore[no-any-return]
 
 
 def _folder(root: Path, version: int) -> Path:
@@ -134,7 +135,7 @@ def test_a_recovered_backend_gets_the_adapters_before_traffic(gateway: LiveGatew
     _publish(gateway, v, _folder(tmp_path, v))
     fake.loras.clear()  # the server restarted: its adapters are gone
     fake.lora_refs.clear()
-    pool = gateway.app.state.pool
+    pool = app_serving(gateway.app).pool
     backend = pool.backends()[0]
     pool.mark_failed(backend, "test: restarted")
     _wait(lambda: backend.healthy)  # the health loop brings it back only after loading what the gateway serves
@@ -161,7 +162,7 @@ def test_a_restarted_backend_that_never_loaded_the_adapter_is_resynced(gateway: 
         _turn(gateway, fake, cred, [{"role": "user", "content": "4+4="}])
     except openai.APIStatusError as e:
         assert e.status_code == 503, e  # one backend, out of rotation for a moment: retry later, not a 400
-    backend = gateway.app.state.pool.backends()[0]
+    backend = app_serving(gateway.app).pool.backends()[0]
     _wait(lambda: backend.healthy and f"v{v}" in fake.loras)
     assert _turn(gateway, fake, cred, [{"role": "user", "content": "5+5="}]) == f"v{v}"
 

@@ -10,6 +10,7 @@ import anthropic
 import httpx
 import pytest
 
+from gateway.services import app_serving
 from tests.gateway.conftest import ids_of
 
 TOOLS = [{"name": "calculate", "description": "math",
@@ -41,7 +42,7 @@ def test_create_stores_exact_ids(gateway: Any, fake: Any, tokenizer: Any) -> Non
     assert r.id.startswith("msg_") and r.type == "message" and r.role == "assistant"
     assert [b.type for b in r.content] == ["text"] and r.content[0].text == "85"
     assert r.stop_reason == "end_turn" and r.stop_sequence is None
-    assert r.model == gateway.app.state.model_name
+    assert r.model == app_serving(gateway.app).model_name
     [turn] = turns(gateway, cred)
     assert turn["id"] == r.id and turn["completion_ids"] == emitted
     assert turn["prompt_ids"] == fake.requests[-1]["input_ids"]
@@ -238,7 +239,7 @@ def test_count_tokens_is_the_prompt_length(gateway: Any, fake: Any, tokenizer: A
 
 def test_models_in_each_sdks_shape(gateway: Any) -> None:
     cred = gateway.group(2)["sessions"][0]
-    name = gateway.app.state.model_name
+    name = app_serving(gateway.app).model_name
     c = client(gateway, cred)
     page = c.models.list()
     assert [m.id for m in page.data] == [name] and page.data[0].type == "model" and not page.has_more
@@ -262,7 +263,7 @@ def test_stop_sequence_and_output_format(gateway: Any, fake: Any) -> None:
 
 
 def test_stop_reason_of_a_matched_stop_sequence() -> None:
-    from gateway.anthropic import stop_reason
+    from gateway.anthropic.translate import stop_reason
     from gateway.generation import Generation
 
     assert stop_reason("stop", Generation(finish={"type": "stop", "matched": "END"}), ["END"]) == ("stop_sequence", "END")

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.anthropic import _NOT_TEXT
-from gateway.anthropic_protocol import REFUSED_FIELDS, CountTokensRequest, MessagesRequest, ThinkingConfig
+from gateway.anthropic.protocol import REFUSED_FIELDS, CountTokensRequest, MessagesRequest, ThinkingConfig
+from gateway.anthropic.translate import _NOT_TEXT
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "conformance-anthropic.md").read_text()
 

@@ -13,6 +13,7 @@ import anthropic
 import httpx
 import pytest
 
+from gateway.services import app_services
 from tests.gateway.conftest import ids_of
 from tests.gateway.test_anthropic_api import CALL, TOOLS, client, turns
 from tests.harness import ADMIN_KEY, LiveGateway
@@ -109,7 +110,7 @@ def test_ended_session_is_409(gateway: LiveGateway, cred: dict[str, Any]) -> Non
     ({**OK, "max_tokens": 0}, "max_tokens"),
     ({**OK, "temperature": 1.5}, "temperature"),
     ({**OK, "messages": []}, "messages"),
-    ({**OK, "messages": [{"role": "system", "content": "x"}]}, "role"),
+    ({**OK, "messages": [{"role": "developer", "content": "x"}]}, "role"),
     ({**OK, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "text-only"),
     ({**OK, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "text-only"),
     ({**OK, "messages": [{"role": "user", "content": [{"type": "mystery"}]}]}, "'mystery' is not supported"),
@@ -244,7 +245,7 @@ def test_hostile_bodies(gateway: LiveGateway, fake: Any, cred: dict[str, Any]) -
 
 
 def test_sizes_are_limited(gateway: LiveGateway, cred: dict[str, Any]) -> None:
-    settings = gateway.app.state.settings
+    settings = app_services(gateway.app).settings
     many = [{"type": "text", "text": "x"}] * (4 * settings.max_messages + 1)
     r = post(gateway, cred, {**OK, "messages": [{"role": "user", "content": many}]})
     anthropic_error(r, 400, "invalid_request_error", "content blocks")

@@ -7,6 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.services import app_serving
 from tests.fakes.sglang import FakeSGLang
 from tests.harness import LiveGateway
 
@@ -65,7 +66,7 @@ def test_bad_request_bodies(gateway: LiveGateway, fake: FakeSGLang, cred: dict[s
 def test_context_length_is_checked_before_the_backend(gateway: LiveGateway, fake: FakeSGLang,
                                                       cred: dict[str, Any]) -> None:
     before = len(fake.requests)
-    err = envelope(post(gateway, cred, {**OK, "max_tokens": gateway.app.state.context_length}), 400)
+    err = envelope(post(gateway, cred, {**OK, "max_tokens": app_serving(gateway.app).context_length}), 400)
     assert err["code"] == "context_length_exceeded"
     assert len(fake.requests) == before
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.services import app_services
 from gateway.settings import Settings
-from gateway.viewer_auth import SignInLimiter
+from gateway.sign_in import SignInLimiter
 from tests.harness import ADMIN_KEY, LiveGateway
 
 
@@ -22,7 +23,7 @@ def sign_in(gw: LiveGateway, key: str, headers: dict[str, str] | None = None) ->
 
 
 def test_rotating_x_forwarded_for_does_not_escape_the_limiter(gateway: LiveGateway) -> None:
-    gateway.app.state.ui_sign_in_limiter = SignInLimiter(max_failures=10, window_s=60)
+    app_services(gateway.app).ui_sign_in_limiter = SignInLimiter(max_failures=10, window_s=60)
     try:
         for i in range(10):
             r = sign_in(gateway, "rw-guess", {"X-Forwarded-For": f"203.0.113.{i}"})
@@ -31,7 +32,7 @@ def test_rotating_x_forwarded_for_does_not_escape_the_limiter(gateway: LiveGatew
         assert r.status_code == 429
         assert sign_in(gateway, ADMIN_KEY).status_code == 303  # the right key is never locked out
     finally:
-        gateway.app.state.ui_sign_in_limiter = SignInLimiter()
+        app_services(gateway.app).ui_sign_in_limiter = SignInLimiter()
 
 
 def test_x_forwarded_host_does_not_pass_the_csrf_check(gateway: LiveGateway) -> None:
@@ -53,7 +54,7 @@ def fake_url(fake: object) -> str:
 
 
 def test_a_trusted_proxy_is_believed(proxied: LiveGateway) -> None:
-    proxied.app.state.ui_sign_in_limiter = SignInLimiter(max_failures=3, window_s=60)
+    app_services(proxied.app).ui_sign_in_limiter = SignInLimiter(max_failures=3, window_s=60)
     try:
         for _ in range(3):
             assert sign_in(proxied, "rw-guess", {"X-Forwarded-For": "203.0.113.1"}).status_code == 401
@@ -61,7 +62,7 @@ def test_a_trusted_proxy_is_believed(proxied: LiveGateway) -> None:
         # another client behind the proxy is another address
         assert sign_in(proxied, "rw-guess", {"X-Forwarded-For": "203.0.113.2"}).status_code == 401
     finally:
-        proxied.app.state.ui_sign_in_limiter = SignInLimiter()
+        app_services(proxied.app).ui_sign_in_limiter = SignInLimiter()
     tls = sign_in(proxied, ADMIN_KEY, {"X-Forwarded-Proto": "https"})
     assert tls.status_code == 303 and "secure" in tls.headers["set-cookie"].lower()
     renamed = sign_in(proxied, ADMIN_KEY, {"Origin": "https://rollway.example", "X-Forwarded-Host": "rollway.example"})

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.anthropic.api import ROUTES as ANTHROPIC_ROUTES
 from gateway.app import create_app
 from gateway.errors import ANTHROPIC_TYPES
 from gateway.openapi import OPERATIONS
-from gateway.routes.anthropic_api import ROUTES as ANTHROPIC_ROUTES
 from gateway.routes.openai_api import ROUTES as OPENAI_ROUTES
 from gateway.routes.responses import ROUTES as RESPONSES_ROUTES
 from gateway.settings import Settings
@@ -111,9 +111,11 @@ class Fuzz:
         self.table[(who, f"{method} {path}", r.status_code)] += 1
         if path == "/v1/weights/sync/init" and r.status_code == 200 and r.json().get("sync_id"):
             self.abandon_sync(r.json())
+        if path == "/v1/weights/memory/release" and r.status_code == 200:
+            self.resume_memory()
         where = f"[{who}] {method} {r.url} -> {r.status_code}: {r.text[:300]}"
         if r.status_code >= 500 and not (r.status_code == 503 and 503 in op.errors
-                                         and r.json()["error"].get("code") != "store_unavailable"):
+                                         and (r.json().get("error") or {}).get("code") != "store_unavailable"):
             self.problems.append("5xx " + where)
         if who == "session" and op.auth == "admin" and r.status_code < 300:
             self.problems.append("session key got 2xx on an admin route " + where)
@@ -141,6 +143,15 @@ class Fuzz:
                                    "buckets": [{"names": ["w"], "dtypes": ["float32"], "shapes": [[1]]}]})
         if r.status_code != 400:
             self.problems.append(f"abandoning sync {plan['sync_id']}: {r.status_code} {r.text[:200]}")
+
+
+    def resume_memory(self) -> None:
+        """A release leaves the servers paused with their memory given back until a resume (a colocated trainer's
+        step): resume at once, so the calls after it in the fuzz are served."""
+        r = self.client.post(f"{self.gw.url}/v1/weights/memory/resume", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                             json={})
+        if r.status_code != 200 or r.json().get("failed_backends"):
+            self.problems.append(f"resuming after a release: {r.status_code} {r.text[:200]}")
 
 
 STREAMED = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")

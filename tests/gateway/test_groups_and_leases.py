@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.wire import decode_array
+from rollway_common.wire import decode_array
 from tests.harness import LiveGateway
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from gateway.protocol import MAX_LOGGED_UNKNOWN, ChatCompletionRequest, note_unknown_fields
 from gateway.routes.common import MAX_JSON_DEPTH
+from gateway.services import app_serving
 from tests.fakes.sglang import FakeSGLang
 from tests.harness import LiveGateway
 
@@ -241,7 +242,7 @@ def test_internal_fault_keeps_the_connection(gateway: LiveGateway, monkeypatch: 
     async def broken() -> Any:
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(gateway.app.state.leases, "current_weights", broken)
+    monkeypatch.setattr(app_serving(gateway.app).leases, "current_weights", broken)
     auth = f"Authorization: Bearer {gateway.admin.headers['Authorization'].split()[1]}\r\n".encode()
     req = b"GET /v1/weights HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n"
     health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"

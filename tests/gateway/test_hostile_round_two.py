@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.protocol import MAX_ABS_REWARD
-from gateway.wire import decode_array
+from rollway_common.wire import decode_array
 from tests.fakes.sglang import FakeSGLang
 from tests.gateway.test_hostile_input import OK, bad_request, chat, dumps, reward
 from tests.harness import LiveGateway

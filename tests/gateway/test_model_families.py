@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 
 from gateway.samples import Sequence, session_sequences
+from gateway.services import app_serving
 from gateway.store.db import upgrade
 from gateway.store.store import TurnRow
 from gateway.templating import ChatTemplate
-from gateway.wire import pack
+from rollway_common.wire import pack
 from tests.fakes.sglang import FakeSGLang
 from tests.harness import LiveGateway
 from tests.model_checks import (
@@ -101,7 +102,7 @@ def families_gw(real_files: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                 gw = LiveGateway(backends=[fake.url], tokenizer=str(tokenizer_dir(BY_NAME[name])), db=db).__enter__()
                 started[name] = gw
             gw = started[name]
-            return gw, gw.app.state.template
+            return gw, app_serving(gw.app).template
 
         yield {"fake": fake, "gateway": gateway}
     finally:
@@ -208,7 +209,7 @@ def test_settings_give_default_template_kwargs(real_files: Path, tmp_path: Path)
     with FakeSGLang(vocab=range(100, 1000)) as fake, LiveGateway(
             backends=[fake.url], tokenizer=str(tokenizer_dir(BY_NAME["Qwen3"])), db=_db(tmp_path),
             chat_template_kwargs={"enable_thinking": False}) as gw:
-        ct = gw.app.state.template
+        ct = app_serving(gw.app).template
         cred = gw.group(1)["sessions"][0]
         fake.script([ct.encode("Hi.<|im_end|>"), ct.encode("Hi.<|im_end|>")])
         _chat(gw, cred, [USER])
@@ -239,7 +240,7 @@ def test_unknown_tool_format_refuses_tools_and_serves_the_rest(real_files: Path,
         assert r.status_code == 400
         err = r.json()["error"]
         assert "--tool-parser" in err["message"] and err["param"] == "tools" and err["type"] == "invalid_request_error"
-        fake.script([gw.app.state.template.encode("Sunny.<|im_end|>")])
+        fake.script([app_serving(gw.app).template.encode("Sunny.<|im_end|>")])
         assert _chat(gw, cred, [USER])["content"] == "Sunny."
 
 

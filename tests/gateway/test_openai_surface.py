@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gateway.services import app_serving
 from tests.gateway.conftest import ids_of
 
 TOOLS = [{"type": "function", "function": {"name": "calculate", "description": "math",
@@ -27,7 +28,7 @@ def test_sync_chat_stores_exact_ids_and_logprobs(gateway: Any, fake: Any, tokeni
                                        max_tokens=8, logprobs=True, top_logprobs=2)
     assert r.choices[0].message.content == "85"
     assert r.choices[0].finish_reason == "stop"
-    assert r.model == gateway.app.state.model_name
+    assert r.model == app_serving(gateway.app).model_name
     turn = last_turn(gateway, cred)
     assert turn["completion_ids"] == emitted
     # logprobs: the OpenAI reply and the record carry the backend's numbers for the same tokens
@@ -140,7 +141,7 @@ def test_completions_and_models(gateway: Any, fake: Any, tokenizer: Any) -> None
     r = client.completions.create(model="m", prompt="37+48=", max_tokens=len(emitted), logprobs=1)
     assert r.choices[0].text == " 85"
     assert fake.requests[-1]["input_ids"] == tokenizer("37+48=", add_special_tokens=False)["input_ids"]
-    assert [m.id for m in client.models.list().data] == [gateway.app.state.model_name]
+    assert [m.id for m in client.models.list().data] == [app_serving(gateway.app).model_name]
 
 
 def test_path_form_needs_no_key(gateway: Any, fake: Any) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from gateway.services import app_serving
 from tests.fakes.sglang import FakeSGLang
 from tests.gateway.template_calls import render_ids
 from tests.harness import LiveGateway
@@ -79,7 +80,7 @@ def check_chain(s: dict[str, Any], session_id: str, emitted: list[list[int]], fi
     assert [t["completion_ids"] for t in turns] == emitted
     # ...and since the model emitted the template's own rendering, the chain equals a fresh render of the
     # whole conversation: no token was dropped or changed at any bridge.
-    template = s["gw"].app.state.template
+    template = app_serving(s["gw"].app).template
     last = turns[-1]
     assert last["prompt_ids"] == render_ids(template, final_messages[:-1], TOOLS)
     full = last["prompt_ids"] + last["completion_ids"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway.sessions_cache import PROMPT_TEXTS_KEPT, SessionView, share_messages, view_from_rows
 from gateway.store.store import TurnRow
-from gateway.wire import pack
+from rollway_common.wire import pack
 
 SYSTEM = {"role": "system", "content": "You are an agent."}
 

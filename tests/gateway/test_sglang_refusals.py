@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from rollway.json_schema_check import unsupported_reason
+from rollway_common.json_schema_check import unsupported_reason
 from tests.fakes.sglang import FakeSGLang
 from tests.gateway.conftest import ids_of
 from tests.harness import LiveGateway

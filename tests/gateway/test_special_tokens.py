@@ -210,7 +210,7 @@ def test_markup_added_tokens_are_protected_and_vocabulary_added_tokens_are_not()
 
 
 def test_allowing_special_tokens_in_content_keeps_the_old_encoding(tiny_model_dir: Path) -> None:
-    from gateway.app import load_template
+    from gateway.services import load_template
 
     for ct in (ChatTemplate(chatml_tokenizer(), allow_special_tokens_in_content=True),
                load_template(Settings(tokenizer=str(tiny_model_dir), allow_special_tokens_in_content=True))):

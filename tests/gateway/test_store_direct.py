@@ -11,12 +11,13 @@ import pytest
 from gateway.errors import NotFound
 from gateway.samples import LeaseSamples
 from gateway.store.db import create_engine
+from gateway.store.models import TURN_RECORD_FIELDS, Turn, TurnRecord
 from gateway.store.store import Store
-from gateway.wire import pack
+from rollway_common.wire import pack
 
 
-def turn_values(turn_id: str) -> dict[str, Any]:
-    return dict(id=turn_id, parent_id=None, endpoint="chat",
+def turn_values(turn_id: str) -> TurnRecord:
+    return TurnRecord(id=turn_id, parent_id=None, endpoint="chat",
                 request={"messages": [{"role": "user", "content": "é 1+1"}], "tools": None, "asked": {"n": 1}},
                 reply={"role": "assistant", "content": "2"}, prompt_ids=pack([1, 2, 3], "int32"), prompt_len=3,
                 completion_ids=pack([4], "int32"), logprobs=pack([-0.5], "float32"), versions=pack([0], "int32"),
@@ -93,31 +94,42 @@ async def test_concurrent_turns_share_commits_and_a_bad_one_fails_alone(db_url: 
         await store.close()
 
 
-async def test_a_misspelt_field_raises_on_both_paths(db_url: str) -> None:
-    """A value for no column is an error on the direct path as on the SQLAlchemy path, of one type: never
-    silently dropped (the direct path once dropped it). And on the direct path a value for a column the store
-    sets is refused too: a `session_id` there once stored the turn in another session than the one it counted."""
-    import sqlalchemy.exc
+def test_a_turn_record_names_the_columns_the_gateway_writes() -> None:
+    """A turn is a typed record: every field is a column of `turns`, every column but those the store sets
+    (session_id, seq, created_at) and the reward (set by a reward call) is a field, and a misspelt or a
+    store-set field cannot be given at all (the dict it replaced once carried a `session_id` that stored the
+    turn in another session than the one it counted)."""
+    columns = set(Turn.__table__.columns.keys())
+    assert set(TURN_RECORD_FIELDS) == columns - {"session_id", "seq", "created_at", "reward"}
+    good = dataclasses.asdict(turn_values("t"))
+    with pytest.raises(TypeError, match="finsh_reason"):
+        TurnRecord(**{**good, "finsh_reason": "stop"})
+    with pytest.raises(TypeError, match="session_id"):
+        TurnRecord(**{**good, "session_id": "sess_other"})
 
+
+async def test_both_paths_store_a_records_defaults(db_url: str) -> None:
+    """The fields a record may leave out (client_disconnected, constrained) and the column it has no
+    field for (reward) read back the same on the direct path and the SQLAlchemy path."""
     store = Store(create_engine(db_url))
     await store.open()
     try:
         assert store.direct is not None
-        _, creds = await store.create_group({"q": 3}, 2, sampling={})
-        sid, other = creds[0][0], creds[1][0]
-        with pytest.raises(sqlalchemy.exc.CompileError, match="finsh_reason"):
-            await store.insert_turn(sid, {**turn_values("t-typo"), "finsh_reason": "stop"})
-        with pytest.raises(sqlalchemy.exc.CompileError, match="session_id"):
-            await store.insert_turn(sid, {**turn_values("t-elsewhere"), "session_id": other})
+        _, creds = await store.create_group({"q": 3}, 1, sampling={})
+        sid = creds[0][0]
+        bare = dataclasses.asdict(turn_values("t"))
+        for k in ("client_disconnected", "constrained"):
+            del bare[k]
+        first, second = f"t-bare-direct-{sid}", f"t-bare-core-{sid}"  # turn ids are unique in the whole store
+        assert await store.insert_turn(sid, TurnRecord(**{**bare, "id": first})) == 1
         direct, store.direct = store.direct, None
         try:
-            with pytest.raises(sqlalchemy.exc.CompileError, match="finsh_reason"):
-                await store.insert_turn(sid, {**turn_values("t-typo-core"), "finsh_reason": "stop"})
+            assert await store.insert_turn(sid, TurnRecord(**{**bare, "id": second})) == 2
         finally:
             store.direct = direct
-        assert await store.session_turns(sid) == [] and await store.session_turns(other) == []
-        assert await store.insert_turn(sid, turn_values("t-good")) == 1  # nothing half-done was left behind
-        assert await store.insert_turn(other, turn_values("t-good-2")) == 1
+        a, b = await store.session_turns(sid)
+        assert (a.id, b.id, a.client_disconnected, a.constrained, a.reward) == (first, second, False, False, None)
+        assert dataclasses.replace(a, id=second, seq=2) == b
     finally:
         await store.close()
 
@@ -150,7 +162,7 @@ async def _reward_scenarios(store: Store) -> list[Any]:
     await call(c[0][0], 0.5, True)
     _, d = await store.create_group("after the lease", 2, sampling={})
     for sid, _ in d:  # a turn each: a group with nothing to train is dropped by the lease, not leased
-        await store.insert_turn(sid, {**turn_values(f"t-{sid}"), "client_disconnected": False})
+        await store.insert_turn(sid, dataclasses.replace(turn_values(f"t-{sid}"), client_disconnected=False))
         await call(sid, 1.0, True)
     leases = Leases(store, LeaseSamples(1.0))
     await leases.lease(LeaseRequest(64, 60, None, None, None))

@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import select
 
 from gateway.store.db import create_engine
+from gateway.store.models import TurnRecord
 from gateway.store.store import Store
 from gateway.store.views import (
     G,
@@ -22,11 +23,11 @@ from gateway.store.views import (
     mean_std,
     reward_by_clock,
 )
-from gateway.wire import pack
+from rollway_common.wire import pack
 
 
-def turn(turn_id: str, parent: str | None, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    return dict(id=turn_id, parent_id=parent, endpoint="chat",
+def turn(turn_id: str, parent: str | None, messages: list[dict[str, Any]]) -> TurnRecord:
+    return TurnRecord(id=turn_id, parent_id=parent, endpoint="chat",
                 request={"messages": messages, "sampling": {"temperature": 0.5}, "asked": {"n": 1}},
                 reply={"role": "assistant", "content": "2"}, prompt_ids=pack([1, 2, 3], "int32"), prompt_len=3,
                 completion_ids=pack([4, 5], "int32"), logprobs=pack([-0.5, -0.5], "float32"),

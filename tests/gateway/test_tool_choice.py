@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.wire import decode_array
+from rollway_common.wire import decode_array
 from tests.fakes.sglang import FakeSGLang
 from tests.gateway.conftest import ids_of
 from tests.harness import LiveGateway
@@ -91,8 +91,6 @@ def test_response_format_sends_json_schema(gateway: LiveGateway, fake: FakeSGLan
 @pytest.mark.parametrize(("kwargs", "param", "needle"), [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tool_choice": "required"}, "tool_choice", "no tools"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "response_format", "cannot be combined"),
 ])
 def test_refusals(gateway: LiveGateway, fake: FakeSGLang, kwargs: dict[str, Any], param: str, needle: str) -> None:
     _, oa = client(gateway)
@@ -192,6 +190,54 @@ def test_responses_named_function(gateway: LiveGateway, fake: FakeSGLang, tokeni
     assert fmt["stop_after_first"] is True
     assert fmt["tags"] == [hermes_tag("get_weather", WEATHER["function"]["parameters"])]
     assert [o.name for o in r.output if o.type == "function_call"] == ["get_weather"]
+
+
+def test_responses_text_format_with_a_forced_function(gateway: LiveGateway, fake: FakeSGLang, tokenizer: Any) -> None:
+    """Instructor's Mode.RESPONSES_TOOLS: text.format (json_schema, the tool's own schema) and a forced function.
+    OpenAI's API accepts the pair: the forced call wins and text.format is for text output, which a forced reply
+    has none of. The backend gets the call's grammar only (SGLang takes one constraint)."""
+    cred, oa = client(gateway)
+    params = WEATHER["function"]["parameters"]
+    fake.script([ids_of(tokenizer, CALL)])
+    r = oa.responses.create(
+        model="m", input="weather?", tools=[{"type": "function", "name": "get_weather", "parameters": params,
+                                             "strict": True}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        text={"format": {"type": "json_schema", "name": "get_weather", "strict": True, "schema": params}})
+    assert "json_schema" not in sent(fake)
+    assert json.loads(sent(fake)["structural_tag"])["format"]["tags"] == [hermes_tag("get_weather", params)]
+    [call] = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    [turn] = gateway.session(cred["session_id"])["turns"]
+    assert turn["request"]["asked"]["text"]["format"] == {"type": "json_schema", "name": "get_weather", "strict": True,
+                                                        "schema": params}  # recorded as sent
+    # the same on chat completions, with response_format
+    fake.script([ids_of(tokenizer, CALL)])
+    c = oa.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+                                   response_format={"type": "json_object"})
+    assert "json_schema" not in sent(fake) and c.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens"),
+    ({"input": "word " * 5000}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}]}], "tool_choice": "required"},
+     "tool_choice"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {
+        "type": "object", "properties": {"n": {"type": "string", "format": "email", "pattern": "@"}}}}}},
+     "text.format"),
+])
+def test_responses_errors_name_the_callers_field(gateway: LiveGateway, fake: FakeSGLang, kwargs: dict[str, Any],
+                                                 param: str) -> None:
+    """A refusal on /v1/responses names the Responses field (input, max_output_tokens, text.format), never the
+    Chat Completions one the turn service works with (messages, max_tokens, response_format)."""
+    _, oa = client(gateway)
+    n = len(fake.requests)
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.responses.create(model="m", **kwargs)
+    body = err.value.body
+    assert isinstance(body, dict) and body.get("param") == param, body
+    assert len(fake.requests) == n
 
 
 def test_the_trainers_option_reaches_the_lease(gateway: LiveGateway, fake: FakeSGLang, tokenizer: Any) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from gateway.samples import session_sequences
 from gateway.store.store import TurnRow
-from gateway.wire import pack
+from rollway_common.wire import pack
 
 
 def turn(tid: str, parent: str | None, prompt: list[int], completion: list[int], *, constrained: bool) -> TurnRow:

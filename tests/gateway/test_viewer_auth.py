@@ -12,7 +12,9 @@ import httpx
 import pytest
 
 from gateway.errors import Forbidden
-from gateway.viewer_auth import COOKIE, SignInLimiter, UiCaller, safe_next
+from gateway.services import app_services
+from gateway.sign_in import SESSION_TTL_S, SignInLimiter
+from gateway.viewer_auth import COOKIE, UiCaller, safe_next
 from tests.harness import ADMIN_KEY, LiveGateway
 
 
@@ -126,11 +128,11 @@ def test_sign_in_sets_a_strict_http_only_cookie_without_the_key(gw: LiveGateway,
 def test_sign_out_and_a_changed_admin_key_end_the_cookie(gw: LiveGateway, browser: httpx.Client) -> None:
     assert sign_in(browser, ADMIN_KEY).headers["location"] == "/ui"
     token = browser.cookies[COOKIE]
-    gw.app.state.admin_key = "rw-admin-another"
+    app_services(gw.app).admin_key = "rw-admin-another"
     try:
         assert browser.get("/ui/api/me").status_code == 401
     finally:
-        gw.app.state.admin_key = ADMIN_KEY
+        app_services(gw.app).admin_key = ADMIN_KEY
     assert browser.get("/ui/api/me").status_code == 200
     out = browser.post("/ui/logout")
     assert out.status_code == 303 and out.headers["location"] == "/ui/login"
@@ -178,7 +180,7 @@ def test_no_open_redirect(target: str) -> None:
 
 def test_failed_sign_ins_are_refused_then_limited(gw: LiveGateway, browser: httpx.Client,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    gw.app.state.ui_sign_in_limiter = SignInLimiter(max_failures=3, window_s=60)
+    app_services(gw.app).ui_sign_in_limiter = SignInLimiter(max_failures=3, window_s=60)
     try:
         for _ in range(3):
             r = sign_in(browser, "rw-guess")
@@ -192,17 +194,17 @@ def test_failed_sign_ins_are_refused_then_limited(gw: LiveGateway, browser: http
         assert any("failed /ui sign-in" in rec.getMessage() for rec in caplog.records)
         assert "rw-guess" not in caplog.text
     finally:
-        gw.app.state.ui_sign_in_limiter = SignInLimiter()
+        app_services(gw.app).ui_sign_in_limiter = SignInLimiter()
     assert sign_in(browser, ADMIN_KEY).status_code == 303
 
 
 def test_a_sign_in_expires(gw: LiveGateway, browser: httpx.Client) -> None:
-    gw.app.state.ui_session_ttl_s = 1.5
+    app_services(gw.app).ui_session_ttl_s = 1.5
     try:
         r = sign_in(browser, ADMIN_KEY)
         assert "max-age=1" in r.headers["set-cookie"].lower()
     finally:
-        del gw.app.state.ui_session_ttl_s
+        app_services(gw.app).ui_session_ttl_s = SESSION_TTL_S
     token = browser.cookies[COOKIE]
     assert browser.get("/ui/api/me").status_code == 200
     time.sleep(1.6)
@@ -239,7 +241,7 @@ def test_forms_posted_from_another_site_are_refused(gw: LiveGateway, browser: ht
     b"",
 ])
 def test_hostile_sign_in_bodies_are_answered_never_a_500(gw: LiveGateway, body: bytes) -> None:
-    gw.app.state.ui_sign_in_limiter = SignInLimiter()
+    app_services(gw.app).ui_sign_in_limiter = SignInLimiter()
     with httpx.Client(base_url=gw.url, timeout=30) as c:
         r = c.post("/ui/login", content=body, headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert r.status_code in (400, 401) and "set-cookie" not in r.headers, r.text[:200]

@@ -320,3 +320,15 @@ def test_the_session_routes_are_found_by_version_or_by_a_404() -> None:
         assert "/begin_weight_update" not in [p for p, _ in old.calls]
         assert asyncio.run(run(old, True)) == (False, False)  # told otherwise: the 404 on begin decides
         assert asyncio.run(run(new, None)) == (True, True) and new.session_open
+
+
+def test_a_release_a_server_cannot_do_leaves_it_generating(tiny_model_dir: Path, sqlite_url: str) -> None:
+    """A server without the memory routes (here: a fake that has none) answers the release with an error after the
+    gateway paused it: the gateway continues it, so generation goes on, and names it among the failed."""
+    with FakeSGLang() as fake, LiveGateway(backends=[fake.url], tokenizer=str(tiny_model_dir), db=sqlite_url) as gw:
+        r = gw.admin.post("/v1/weights/memory/release", json={"tags": ["kv_cache"]})
+        assert r.status_code == 200, r.text
+        assert list(r.json()["failed_backends"]) != [] and r.json()["backends"] == []
+        assert fake.paused is None  # continued after the failed release
+        assert [p for p, _ in fake.calls if p in ("/pause_generation", "/continue_generation")] == [
+            "/pause_generation", "/continue_generation"]

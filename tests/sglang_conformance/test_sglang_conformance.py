@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from rollway.json_schema_check import unsupported_reason
+from rollway_common.json_schema_check import unsupported_reason
 from tests.fakes.sglang import RECORD_ENV
 from tests.gateway.test_sglang_refusals import REFUSED
 from tests.sglang_conformance.sglang_venv import SGLANG_VERSION, ensure_venv

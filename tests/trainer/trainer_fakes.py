@@ -1,6 +1,6 @@
 """Fakes for the trainer tests: a tiny Qwen2 model folder (hidden 64, 2 layers, vocab 512, byte-level
 tokenizer with a ChatML template) and a fake gateway (plain http.server in a thread) serving pre-built
-groups in the wire format of `gateway.wire`."""
+groups in the wire format of `rollway_common.wire`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gateway.wire import encode_array
+from rollway_common.wire import encode_array
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"

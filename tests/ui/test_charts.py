@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from gateway.services import app_services
 from tests.fakes.sglang import FakeSGLang
 from tests.harness import LiveGateway
 from tests.ui.conftest import sign_in
@@ -230,7 +231,7 @@ def test_lease_table_lapsed_and_paged(overview: Any, run: LiveGateway, shots: Pa
             t_last = time.time()  # the last short lease
     assert time.time() - t0 < 6, "the leases took longer than the short ones last"
     time.sleep(max(0.0, t_last + 6.3 - time.time()))
-    gw.app.state.ui_overview = None
+    app_services(gw.app).ui_overview = None
     page.reload()
     page.wait_for_selector("#leases tr.lease-lapsed")
     rows = page.locator("#leases tbody tr")

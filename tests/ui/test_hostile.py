@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
+from gateway.services import app_services
 from gateway.store.db import create_engine
 from gateway.store.store import S
 from tests.fakes.sglang import FakeSGLang
@@ -58,7 +59,7 @@ def finished_group(g: LiveGateway, n: int, rewards: list[float], **extra: Any) -
 
 
 def fresh_overview(g: LiveGateway) -> dict[str, Any]:
-    g.app.state.ui_overview = None  # the page's 4 s cache
+    app_services(g.app).ui_overview = None  # the page's 4 s cache
     r = g.admin.get("/ui/api/overview")
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]

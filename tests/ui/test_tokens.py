@@ -13,7 +13,7 @@ import pytest
 from gateway.samples import session_sequences
 from gateway.store.store import TurnRow
 from gateway.ui.tokens import TokenText, build_chains, page
-from gateway.wire import pack
+from rollway_common.wire import pack
 
 
 def _tree(rng: random.Random, vocab: int, max_len: int) -> list[TurnRow]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from gateway.anthropic import sign_thinking, stop_reason, usage
+from gateway.anthropic.translate import context_cut, sign_thinking, stop_reason, usage
 from gateway.errors import GatewayError, anthropic_error
 from gateway.generation import Generation
 from gateway.tool_parsers import ParsedReply
@@ -32,8 +32,11 @@ def event(name: str, data: dict[str, Any]) -> bytes:
 class MessageEvents:
     """One streamed Messages reply (see the module docstring)."""
 
-    def __init__(self, prepared: PreparedTurn, *, model: str, key: bytes, omit_thinking: bool) -> None:
+    def __init__(self, prepared: PreparedTurn, *, model: str, key: bytes, omit_thinking: bool,
+                 context_management: dict[str, Any] | None = None) -> None:
         self.prepared = prepared
+        self.context_management = context_management
+        """Sent on message_delta (the request's context edits), as Anthropic's API sends it."""
         self.model = model
         self.key = key
         self.omit_thinking = omit_thinking
@@ -95,10 +98,13 @@ class MessageEvents:
             out.append(self._begin({"type": "tool_use", "id": call.id, "name": call.name, "input": {}}))
             out.append(self._delta({"type": "input_json_delta", "partial_json": call.arguments}))
             out += self._close()
-        reason, sequence = stop_reason(done.finish_reason, gen, self.prepared.req.stop)
-        out.append(event("message_delta", {
+        reason, sequence = stop_reason(done.finish_reason, gen, self.prepared.req.stop, context_cut(self.prepared))
+        delta: dict[str, Any] = {
             "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": usage(len(self.prepared.prompt_ids), len(gen.ids), gen.cached_tokens)}))
+            "usage": usage(len(self.prepared.prompt_ids), len(gen.ids), gen.cached_tokens)}
+        if self.context_management is not None:
+            delta["context_management"] = self.context_management
+        out.append(event("message_delta", delta))
         out.append(event("message_stop", {"type": "message_stop"}))
         return out
 

@@ -2,8 +2,8 @@
 
 Strict types and finite numbers as on the OpenAI routes (`gateway.protocol`); unknown top-level fields are
 accepted, ignored and logged once (`note_unknown_fields`), except the ones naming server-side features the
-gateway does not have, which `gateway.anthropic` refuses. Content blocks arrive as plain objects and are
-checked one by one against the block models below by `gateway.anthropic`, so an unsupported block type gets
+gateway does not have, which `gateway.anthropic.translate` refuses. Content blocks arrive as plain objects and are
+checked one by one against the block models below by `gateway.anthropic.translate`, so an unsupported block type gets
 a message naming it (docs/conformance-anthropic.md) instead of a validator's union error.
 """
 
@@ -15,7 +15,7 @@ from pydantic import Field
 
 from gateway.protocol import INT32_MAX, _Lenient
 
-# --- content blocks (checked by gateway.anthropic, block by block) ----------------------------------------
+# --- content blocks (checked by gateway.anthropic.translate, block by block) ----------------------------------------
 
 
 class TextBlock(_Lenient):
@@ -60,6 +60,9 @@ class AnthropicTool(_Lenient):
     """Absent or "custom": a client tool. Server tools ("bash_20250124", "web_search_20250305", ...) run on
     Anthropic's side: refused."""
     cache_control: dict[str, Any] | None = None
+    defer_loading: bool | None = None
+    """True: not shown to the model until a `tool_addition` block of a system message adds it (Anthropic's tool
+    search loads such tools on demand; here they stay out of the rendered tools unless added)."""
 
 
 class AnthropicToolChoice(_Lenient):
@@ -71,7 +74,12 @@ class AnthropicToolChoice(_Lenient):
 class ThinkingConfig(_Lenient):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    display: Literal["summarized", "omitted"] | None = None
+    display: str | None = Field(default=None, max_length=64)
+    """"omitted": thinking blocks carry no text; any other mode ("summarized", "updates", ones added later) returns
+    the reasoning whole: there is no summarizer, and the whole text is what every mode summarizes."""
+    block_binding: dict[str, Any] | None = None
+    """`{"prefix_mismatch_behavior": "drop_block"}`: a thinking block whose signature fails is left out rather
+    than refused."""
 
 
 class JsonOutputFormat(_Lenient):
@@ -82,11 +90,27 @@ class JsonOutputFormat(_Lenient):
 class OutputConfig(_Lenient):
     effort: str | None = None
     format: JsonOutputFormat | None = None
+    task_budget: dict[str, Any] | None = None
+
+
+class MessageOutputConfig(_Lenient):
+    """A system message's per-turn `output_config` (Anthropic's `format` stays top-level only)."""
+
+    effort: str | None = None
 
 
 class MessageParam(_Lenient):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
+    clear_at: Literal["next_user_message", "never"] | None = None
+    """System messages only: "next_user_message" shows the message for the user turn it follows only."""
+    output_config: MessageOutputConfig | None = None
+    """System messages only: recorded (effort has no effect on a self-hosted model)."""
+
+
+class ContextManagement(_Lenient):
+    edits: list[dict[str, Any]] = Field(default_factory=list, max_length=16)
+    """Each edit is checked by `gateway.anthropic.context_edits`, which applies it."""
 
 
 # --- requests ------------------------------------------------------------------------------------------------
@@ -100,6 +124,7 @@ class CountTokensRequest(_Lenient):
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -115,6 +140,5 @@ class MessagesRequest(CountTokensRequest):
 REFUSED_FIELDS = {
     "mcp_servers": "MCP servers are run by Anthropic's API; connect them in the agent and offer their tools as tools",
     "container": "code-execution containers are run by Anthropic's API; this gateway has none",
-    "context_management": "context editing is done by Anthropic's API; trim the history in the agent",
 }
 """Top-level fields that ask for something the gateway cannot do: a 400 naming the field, never ignored."""

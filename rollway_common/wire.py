@@ -1,8 +1,8 @@
 """Wire format of token arrays: `{"dtype": "int32" | "float32" | "uint8", "b64": ...}`, little-endian.
 
 The gateway produces it (leases, docs/http-api.md "POST /v1/batches") and stores the same bytes (turn rows);
-the trainer decodes it with `decode_array`. It lives here, in the package that every install has, so that
-the trainer reads it without importing the gateway: the trainer reaches the gateway only over HTTP.
+the trainer decodes it with `decode_array`. It lives here, in the leaf package `rollway_common` (every install has it; it imports nothing of ours),
+so that the trainer reads it without importing the gateway: the trainer reaches the gateway only over HTTP.
 Only the standard library here: the gateway carries no numpy/torch on its hot path.
 """
 

@@ -1,0 +1,182 @@
+"""Weights handed over in memory, as SGLang takes them (docs/sglang-contract.md "The tensor path"):
+`POST /update_weights_from_tensor` with SGLang 0.5.23's body (`srt/managers/io_struct.py`
+`UpdateWeightsFromTensorReqInput`):
+
+    {"serialized_named_tensors": [<base64 of a ForkingPickler dump>, ... one per TP rank],
+     "load_format": null | "direct" | "flattened_bucket", "flush_cache": true, "abort_all_requests": false,
+     "weight_version": null | "<v>", "selector": "all", "torch_empty_cache": false}
+
+Each entry is what SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)` writes: with
+`flattened_bucket`, obj is `{"flattened_tensor": <uint8 tensor>, "metadata": [FlattenedTensorMetadata, ...]}`
+(`srt/weight_sync/tensor_bucket.py`), else a list of `(name, tensor)` pairs. The tensors are not in the body: a
+pickled tensor is a handle to the sender's memory (CUDA IPC on a GPU; on CPU a shared-memory file under torch's
+`file_system` sharing strategy), so only a process on the same machine can open it. This engine is one TP rank: it
+reads entry 0 (as SGLang's rank r reads entry r), copies the tensors into the served model, and drops its mapping
+before it answers, so the sender may free or reuse the memory once the call returns.
+
+The payload is unpickled as SGLang's `SafeUnpickler` does it: only tensor, storage and dtype rebuilders and the two
+metadata classes are allowed; anything else is refused (a pickle is code otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import logging
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.multiprocessing
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from engine.weight_sync import WeightSync, _load
+
+log = logging.getLogger(__name__)
+
+LOAD_FORMATS = (None, "direct", "flattened_bucket")
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """SGLang's `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata` (unpickled into this class)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+@dataclass
+class LocalSerializedTensor:
+    """SGLang's `LocalSerializedTensor`: one serialized tensor per TP rank (`values[rank]`)."""
+
+    values: list[bytes]
+
+
+_TORCH_REBUILDERS = {
+    ("torch._utils", n) for n in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+                                  "_rebuild_parameter_with_state", "_rebuild_meta_tensor_no_storage",
+                                  "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_cpu_tensor")
+} | {
+    ("torch.multiprocessing.reductions", n) for n in (
+        "rebuild_tensor", "rebuild_meta_tensor", "rebuild_cuda_tensor", "rebuild_storage_fd",
+        "rebuild_storage_filename", "rebuild_storage_empty", "rebuild_typed_storage", "rebuild_typed_storage_child")
+} | {
+    ("torch._tensor", "_rebuild_from_type_v2"), ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"), ("torch", "Tensor"), ("torch", "Size"),
+    ("torch", "device"), ("torch.nn.parameter", "Parameter"), ("collections", "OrderedDict"),
+    ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"), ("copyreg", "__newobj__"),
+    ("copyreg", "_reconstructor"), ("builtins", "object"),
+}
+_SGLANG_CLASSES: dict[tuple[str, str], type] = {
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
+    ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"):
+        LocalSerializedTensor,
+    ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SGLANG_CLASSES:
+            return _SGLANG_CLASSES[(module, name)]
+        if (module, name) in _TORCH_REBUILDERS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module in ("torch", "torch.cuda") and name.endswith("Storage"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"blocked global {module}.{name} in a serialized tensor payload")
+
+
+def deserialize(data: str | bytes) -> Any:
+    """SGLang's `MultiprocessingSerializer.deserialize`: base64 text (HTTP) or raw bytes."""
+    raw = base64.b64decode(data, validate=True) if isinstance(data, str) else bytes(data)
+    return _Unpickler(io.BytesIO(raw)).load()
+
+
+def named_tensors(payload: Any, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of one rank's payload, as SGLang's model runner rebuilds them."""
+    if load_format == "flattened_bucket":
+        if not isinstance(payload, dict) or "flattened_tensor" not in payload or "metadata" not in payload:
+            raise ValueError("a flattened_bucket payload is {flattened_tensor, metadata}")
+        flat, metadata = payload["flattened_tensor"], payload["metadata"]
+        if not isinstance(flat, torch.Tensor):
+            raise ValueError("flattened_tensor is not a tensor")
+        flat = flat.reshape(-1).view(torch.uint8) if flat.dtype != torch.uint8 else flat.reshape(-1)
+        out = []
+        for m in metadata:
+            if not isinstance(m, FlattenedTensorMetadata):
+                raise ValueError(f"metadata entries are FlattenedTensorMetadata, not {type(m).__name__}")
+            if not 0 <= m.start_idx <= m.end_idx <= flat.numel():
+                raise ValueError(f"{m.name}: bytes {m.start_idx}:{m.end_idx} outside the bucket of {flat.numel()}")
+            out.append((str(m.name), flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)))
+        return out
+    if not isinstance(payload, list | tuple):
+        raise ValueError("a payload without load_format is a list of (name, tensor) pairs")
+    out = []
+    for item in payload:
+        name, tensor = item
+        if isinstance(tensor, LocalSerializedTensor):
+            tensor = deserialize(tensor.values[0])
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name}: not a tensor")
+        out.append((str(name), tensor))
+    return out
+
+
+def load_serialized(model: torch.nn.Module, entry: str | bytes, load_format: str | None) -> int:
+    """Open one rank's payload, copy its tensors into `model` by HF name, drop the mapping; returns the bytes read.
+    On the model thread."""
+    pairs = named_tensors(deserialize(entry), load_format)
+    try:
+        _load(model, [n for n, _ in pairs], [t for _, t in pairs])
+        return sum(t.numel() * t.element_size() for _, t in pairs)
+    finally:
+        del pairs  # the sender's memory is no longer mapped here once this call answers
+
+
+async def update_from_tensor(sync: WeightSync, body: dict[str, Any]) -> tuple[bool, str]:
+    engine = sync.engine
+    try:
+        entries = body["serialized_named_tensors"]
+        if not isinstance(entries, list) or not entries or not all(isinstance(e, str) for e in entries):
+            raise ValueError("serialized_named_tensors must be a non-empty list of base64 strings, one per TP rank")
+        load_format = body.get("load_format")
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load_format {load_format!r}")
+    except (KeyError, TypeError, ValueError) as e:
+        return False, f"Bad request: {e}"
+    if getattr(engine, "weight_update_session", False) and not sync.session_open:
+        return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+    scheduler = engine.scheduler
+    async with sync._lock:
+        try:
+            if body.get("abort_all_requests"):
+                await asyncio.wrap_future(scheduler.abort(None))
+            with engine.liveness.loads():
+                await asyncio.wrap_future(scheduler.call(
+                    lambda: load_serialized(scheduler.model, entries[0], load_format)))
+        except (binascii.Error, pickle.UnpicklingError, ValueError, KeyError, RuntimeError, OSError, EOFError,
+                TypeError, AttributeError) as e:  # a payload from another machine fails to open its handles here
+            log.error("update from tensor failed: %s", e)
+            return False, (f"Failed to update weights from tensor: {type(e).__name__}: {e}. A tensor payload opens "
+                           "only on the machine that made it (shared memory or CUDA IPC handles).")
+        version = body.get("weight_version")
+        if version is not None:  # the last bucket: rows in flight (an unpaused server) are prefilled again
+            await asyncio.wrap_future(scheduler.swap_model(scheduler.model, str(version), False))
+    return True, "Success"
+
+
+def add_tensor_routes(app: FastAPI, sync: WeightSync, json_body: Any) -> None:
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> JSONResponse:
+        ok, message = await update_from_tensor(sync, await json_body(request))
+        return JSONResponse({"success": ok, "message": message}, 200 if ok else 400)
