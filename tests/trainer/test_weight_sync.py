@@ -51,7 +51,7 @@ class _Refusing:
         self.status = status
         self.published: list[tuple[Any, ...]] = []
 
-    def sync_init(self, *args: Any) -> Any:
+    def sync_init(self, *args: Any, **kwargs: Any) -> Any:
         raise GatewayHTTPError("POST", "/v1/weights/sync/init", self.status, {"error": {"message": "no backend"}})
 
     def publish(self, version: int, path: str, batch_ids: Any, results: Any) -> int:
@@ -93,7 +93,7 @@ class _Status:
     def sync_status(self) -> dict[str, Any]:
         return {"version": self.version, "awaiting_backends": ["b"], "sync": None}
 
-    def sync_init(self, *args: Any, catch_up: bool = False) -> dict[str, Any]:
+    def sync_init(self, *args: Any, catch_up: bool = False, host_id: str | None = None) -> dict[str, Any]:
         self.inits.append((*args, catch_up))
         return {"sync_id": None, "version": args[0], "catch_up": True, "groups": []}
 
