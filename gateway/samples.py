@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.store.leases import LeaseRequest
 from gateway.store.store import TurnRow
-from rollway_common.wire import LEASE_FORMAT, encode_array, unpack
+from rollway_common.wire import LEASE_FORMAT, encode_array, turn_returns, unpack
 
 
 @dataclass(slots=True)
@@ -85,18 +85,6 @@ class Sequence:
         vs = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
         return min(vs) if vs else None
 
-
-def turn_returns(rewards: list[float | None], session_reward: float | None, gamma: float) -> list[float]:
-    """Per turn of one chain (lease format 1 only; the trainer computes its own from format 2): the discounted
-    sum of later per-turn rewards, else the session reward."""
-    if not any(r is not None for r in rewards):
-        return [float(session_reward or 0.0)] * len(rewards)
-    out = [0.0] * len(rewards)
-    acc = 0.0
-    for i in range(len(rewards) - 1, -1, -1):
-        acc = float(rewards[i] or 0.0) + gamma * acc
-        out[i] = acc
-    return out
 
 
 def session_sequences(rows: list[TurnRow], *, train_constrained: bool = False) -> list[Sequence]:

@@ -56,3 +56,17 @@ def decode_array(obj: WireArray) -> list[int] | list[float]:
     if dtype not in _TYPECODE:
         raise ValueError(f"unknown wire dtype {dtype!r}")
     return unpack(base64.b64decode(obj["b64"]), dtype)
+
+
+def turn_returns(rewards: list[float | None], session_reward: float | None, gamma: float) -> list[float]:
+    """Per turn of one chain: the discounted sum of its and later turns' rewards when any turn has one, else the
+    session reward (0 without one). The one definition: the gateway uses it for lease format 1's returns, the
+    trainer for format 2's (it computes them itself)."""
+    if not any(r is not None for r in rewards):
+        return [float(session_reward or 0.0)] * len(rewards)
+    out = [0.0] * len(rewards)
+    acc = 0.0
+    for i in range(len(rewards) - 1, -1, -1):
+        acc = float(rewards[i] or 0.0) + gamma * acc
+        out[i] = acc
+    return out

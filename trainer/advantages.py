@@ -14,6 +14,7 @@ import math
 from array import array
 from dataclasses import dataclass
 
+from rollway_common.wire import turn_returns
 from trainer.client import Group, Sample
 
 STD_EPS = 1e-6
@@ -34,18 +35,6 @@ def token_advantages(
 ) -> list[float]:
     return [(r - baseline) / scale if m else 0.0 for r, m in zip(returns, loss_mask, strict=True)]
 
-
-def turn_returns(rewards: list[float | None], session_reward: float | None, gamma: float) -> list[float]:
-    """Per turn of one chain: the discounted sum of its and later turns' rewards when any turn has one, else the
-    session reward (0 without one)."""
-    if not any(r is not None for r in rewards):
-        return [float(session_reward or 0.0)] * len(rewards)
-    out = [0.0] * len(rewards)
-    acc = 0.0
-    for i in range(len(rewards) - 1, -1, -1):
-        acc = float(rewards[i] or 0.0) + gamma * acc
-        out[i] = acc
-    return out
 
 
 def chain_returns(sample: Sample, gamma: float) -> list[float]:
