@@ -21,7 +21,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -159,7 +159,8 @@ class PreparedTurn:
     auth: SessionAuth
     req: TurnRequest
     turn_id: str
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]
+    """The whole prompt: a list, or an int32 array when the turn extends its parent (`generation.input_ids`)."""
     prompt_delta: list[int]
     parent_id: str | None
     chain_reason: str | None
@@ -333,7 +334,7 @@ class TurnService:
 
     def _continue(
         self, view: SessionView, req: TurnRequest, big: bool = False
-    ) -> tuple[str | None, str | None, list[int], list[int], str, bytes]:
+    ) -> tuple[str | None, str | None, Sequence[int], list[int], str, bytes]:
         """(parent id, new-chain reason, prompt ids, prompt delta, prompt text, chain digest of the messages) of
         a chat turn.
 
@@ -356,7 +357,9 @@ class TurnService:
             )
             if ext is not None:
                 ids, text = ext
-                return parent.turn_id, None, [*view.full_ids(parent.turn_id), *ids], ids, text, digest
+                full = view.full_ids(parent.turn_id)  # an int32 array: no Python int per id of the history
+                full.extend(ids)
+                return parent.turn_id, None, full, ids, text, digest
             reason = "template_not_prefix_stable"
         else:
             reason = choice.reason
