@@ -21,6 +21,7 @@ import orjson
 
 from gateway.continuity import Candidate, ParentIndex
 from gateway.store.store import Store, TurnRow
+from gateway.template_segments import RenderCut
 from rollway_common.wire import unpack
 
 PROMPT_TEXTS_KEPT = 2
@@ -59,6 +60,8 @@ class SessionView:
     """Tokens the session recorded: the sum over its turns of prompt + completion."""
     prompt_texts: OrderedDict[str, str] = field(default_factory=OrderedDict)
     """turn id -> its rendered prompt, for the latest turns this process rendered (not kept in the store)."""
+    prompt_cuts: dict[str, RenderCut] = field(default_factory=dict)
+    """turn id -> where its rendered prompt may be cut (`ChatTemplate.extension_cut`), for turns in `prompt_texts`."""
 
     def full_ids(self, turn_id: str) -> array[int]:
         """The turn's prompt + completion ids, a new int32 array (put together by memory copies: a long session's
@@ -91,7 +94,7 @@ class SessionView:
     def add(self, turn_id: str, seq: int, messages: list[dict], reply: dict, tools: list | None,
             parent_id: str | None, prompt_delta: list[int], completion_ids: list[int],
             prompt_text: str | None = None, template_kwargs: dict | None = None,
-            messages_digest: bytes | None = None) -> None:
+            messages_digest: bytes | None = None, prompt_cut: RenderCut | None = None) -> None:
         """`messages_digest`: the chain digest of `messages` when the caller computed it (`ParentIndex.find`)."""
         cand = Candidate(turn_id, [*messages, reply], tools, seq, template_kwargs, prefix_digest=messages_digest)
         self.candidates.append(cand)
@@ -99,8 +102,11 @@ class SessionView:
         self.add_ids(turn_id, seq, parent_id, prompt_delta, completion_ids)
         if prompt_text is not None:
             self.prompt_texts[turn_id] = prompt_text
+            if prompt_cut is not None:
+                self.prompt_cuts[turn_id] = prompt_cut
             while len(self.prompt_texts) > PROMPT_TEXTS_KEPT:
-                self.prompt_texts.popitem(last=False)
+                old, _ = self.prompt_texts.popitem(last=False)
+                self.prompt_cuts.pop(old, None)
 
 
 def view_from_rows(rows: list[TurnRow]) -> SessionView:
@@ -142,12 +148,12 @@ class SessionCache:
     def record(self, session_id: str, seq: int, turn_id: str, messages: list[dict], reply: dict,
                tools: list | None, parent_id: str | None, prompt_delta: list[int], completion_ids: list[int],
                prompt_text: str | None = None, template_kwargs: dict | None = None,
-               messages_digest: bytes | None = None) -> None:
+               messages_digest: bytes | None = None, prompt_cut: RenderCut | None = None) -> None:
         """Add a just-stored turn to a cached view that was current before it; else forget the view."""
         view = self._views.get(session_id)
         if view is not None and view.turn_count == seq - 1 and reply:
             view.add(turn_id, seq, messages, reply, tools, parent_id, prompt_delta, completion_ids, prompt_text,
-                     template_kwargs, messages_digest)
+                     template_kwargs, messages_digest, prompt_cut)
         else:
             self.drop(session_id)
 

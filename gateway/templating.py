@@ -23,11 +23,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from gateway.continuity import drop_none
 from gateway.encoding import CachedEncoder
 from gateway.errors import BadRequest
 from gateway.model_formats import ModelFormats, detect
 from gateway.settings import RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
+from gateway.template_segments import LazyMessages, NotLocal, Renderer, RenderCut, plan
 from gateway.tool_parsers import (
     ParsedReply,
     ReasoningParser,
@@ -54,6 +57,27 @@ def _compiled(template: str) -> Any:
     except ImportError:
         return None
     return _compile_jinja_template(template)
+
+
+@functools.lru_cache(maxsize=8)
+def _renderer(template: str) -> Renderer | None:
+    """A renderer by segments when the template is provably message-local (gateway.template_segments), else None."""
+    compiled = _compiled(template)
+    if compiled is None:
+        return None
+    try:
+        return Renderer(plan(compiled.environment, template))
+    except NotLocal:
+        return None
+
+
+def _inputs(hf_tools: list[Any] | None, kwargs: Mapping[str, Any]) -> bytes:
+    """The tools and chat_template_kwargs of a render, exactly (key order too: the template writes them as given),
+    which a render by segments must share with the parent's."""
+    try:
+        return orjson.dumps([hf_tools, dict(kwargs)])
+    except (TypeError, orjson.JSONEncodeError):
+        return b""  # never equal to a dump: no render by segments
 
 
 def _text(content: Any) -> str:
@@ -260,9 +284,41 @@ class ChatTemplate:
     ) -> tuple[list[int], str]:
         """The prompt of a first turn (or of a new chain): the whole conversation + generation prompt, as
         ids and as the rendered text; `kwargs`, the request's chat_template_kwargs."""
+        ids, text, _ = self.render_prompt_cut(messages, tools, kwargs)
+        return ids, text
+
+    def render_prompt_cut(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None, kwargs: Mapping[str, Any] | None = None
+    ) -> tuple[list[int], str, RenderCut | None]:
+        """`render_prompt`, and where a turn extending this one may cut the text (`extension`'s `parent_cut`)."""
         hf_messages, hf_tools, hf_kwargs, marked = self._template_input(messages, tools, kwargs)
         text = self._render(hf_messages, hf_tools, True, hf_kwargs)
-        return self._encode(text, marked), (self._encoder.unmark(text) if marked else text)
+        cut = None if marked else self._cut(hf_messages, hf_tools, hf_kwargs, text)
+        return self._encode(text, marked), (self._encoder.unmark(text) if marked else text), cut
+
+    def _scope(self, renderer: Renderer, messages: Sequence[Any], hf_tools: list[Any] | None,
+               kwargs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The head's text and the variables of a render by segments (what `_render` passes the template)."""
+        variables = {**self._variables, **kwargs} if kwargs else self._variables
+        return renderer.head(messages, {**variables, "tools": hf_tools, "documents": None})
+
+    def _cut(self, hf_messages: list[dict[str, Any]], hf_tools: list[Any] | None, kwargs: Mapping[str, Any],
+             text: str) -> RenderCut | None:
+        """Where `text`, the whole render of `hf_messages`, ends its head and first segments; None when the
+        template renders whole only. The last segments and the tail are rendered again, and must end `text`."""
+        renderer = _renderer(self.tokenizer.get_chat_template(self.chat_template, hf_tools))
+        if renderer is None:
+            return None
+        n = len(hf_messages)
+        at = renderer.plan.cut_index(n)
+        try:
+            _, scope = self._scope(renderer, hf_messages, hf_tools, kwargs)
+            rest = renderer.segments(scope, at, n) + renderer.tail(scope, True)
+        except Exception:  # noqa: BLE001 - the whole render succeeded: this one is only an optimisation
+            return None
+        if not text.endswith(rest):
+            return None
+        return RenderCut(n, at, len(text) - len(rest), _inputs(hf_tools, kwargs))
 
     def extension(
         self,
@@ -275,6 +331,23 @@ class ChatTemplate:
         kwargs: Mapping[str, Any] | None = None,
         check_new_chars: Callable[[int], None] | None = None,
     ) -> tuple[list[int], str] | None:
+        """`extension_cut` without the cut."""
+        ext = self.extension_cut(prev_messages, prev_completion_ids, new_messages, tools, parent_prompt=parent_prompt,
+                                 kwargs=kwargs, check_new_chars=check_new_chars)
+        return None if ext is None else ext[:2]
+
+    def extension_cut(
+        self,
+        prev_messages: Sequence[Message],
+        prev_completion_ids: Sequence[int],
+        new_messages: Sequence[Message],
+        tools: Sequence[Any] | None,
+        *,
+        parent_prompt: str | None = None,
+        parent_cut: RenderCut | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        check_new_chars: Callable[[int], None] | None = None,
+    ) -> tuple[list[int], str, RenderCut | None] | None:
         """The ids to append to the parent's prompt + completion ids for `new_messages`, with the rendered
         text of the whole new prompt; None when the template is not prefix stable here (the caller starts
         a new chain, "template_not_prefix_stable").
@@ -290,13 +363,31 @@ class ChatTemplate:
         of parent and request (continuity extends only turns with the same ones). `check_new_chars`: called,
         before anything is tokenized, with how many characters the full rendering adds after the parent's
         conversation (the text of the new messages, as the client sent it); it may raise to refuse the request.
+
+        `parent_cut`: where `parent_prompt` may be cut (`render_prompt_cut`, an earlier `extension_cut`). With it,
+        a message-local template (gateway.template_segments) renders only the segments after the cut: the same
+        two texts as whole renders, at a cost that does not grow with the conversation. Also returned: the cut
+        of the new prompt, for the turn that extends this one (None: that one renders whole).
         """
         if not prev_messages or not new_messages:
             raise ValueError("extension needs the parent's messages and at least one new message")
-        hf_all, hf_tools, hf_kwargs, marked = self._template_input([*prev_messages, *new_messages], tools, kwargs)
-        hf_prev = hf_all[: len(prev_messages)]
-        full = self._render(hf_all, hf_tools, True, hf_kwargs)
-        prefix = self._render(hf_prev, hf_tools, False, hf_kwargs)
+        known = 0  # characters the two renders and the parent's prompt are known to share
+        fast = None
+        if parent_cut is not None and parent_prompt is not None:
+            try:
+                fast = self._by_segments(prev_messages, new_messages, tools, kwargs, parent_prompt, parent_cut)
+            except Exception:  # noqa: BLE001 - the whole renders below raise what the template raises
+                fast = None
+        if fast is not None:
+            full, prefix, known, cut = fast
+            marked = False
+        else:
+            hf_all, hf_tools, hf_kwargs, marked = self._template_input(
+                [*prev_messages, *new_messages], tools, kwargs)
+            hf_prev = hf_all[: len(prev_messages)]
+            full = self._render(hf_all, hf_tools, True, hf_kwargs)
+            prefix = self._render(hf_prev, hf_tools, False, hf_kwargs)
+            cut = None if marked else self._cut(hf_all, hf_tools, hf_kwargs, full)
         if check_new_chars is not None:
             unmark = self._encoder.unmark if marked else str
             check_new_chars(len(unmark(full)) - len(unmark(prefix)))
@@ -310,7 +401,8 @@ class ChatTemplate:
             parent_prompt = self._render(hf_prev[:-1], hf_tools, False, hf_kwargs)
         # The parent's prompt ends with the generation prompt, which may share leading characters with the
         # reply's end marker (an empty reply): step back so the marker is searched for from its start.
-        reply_start = max(0, _common_prefix_len(parent_prompt, prefix) - self._longest_marker + 1)
+        shared = known + _common_prefix_len(parent_prompt[known:], prefix[known:])
+        reply_start = max(0, shared - self._longest_marker + 1)
         end = -1
         for marker in self._markers:
             at = prefix.rfind(marker, reply_start)
@@ -323,11 +415,44 @@ class ChatTemplate:
             if not full.startswith(emitted, len(prefix)):
                 return None
             text = full[len(prefix) + len(emitted):]
-            return self._encode(text, marked), (self._encoder.unmark(full) if marked else full)
+            return self._encode(text, marked), (self._encoder.unmark(full) if marked else full), cut
         text = prefix[end:] + full[len(prefix) :]
         if not prev_completion_ids or prev_completion_ids[-1] not in self._stop_set:
             text = self.end_of_turn + text  # cut off by max_tokens (or aborted): close the turn
-        return self._encode(text, marked), (self._encoder.unmark(full) if marked else full)
+        return self._encode(text, marked), (self._encoder.unmark(full) if marked else full), cut
+
+    def _by_segments(
+        self, prev: Sequence[Message], new: Sequence[Message], tools: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None, parent_prompt: str, cut: RenderCut,
+    ) -> tuple[str, str, int, RenderCut] | None:
+        """`extension`'s two renders (all messages + generation prompt; `prev` alone) by segments after the
+        parent prompt's cut, the length of the text they share with it, and the new prompt's cut; None when the
+        proof does not cover this request (gateway.template_segments: the texts before the cut are the same in
+        all three renders)."""
+        hf_tools = drop_none(list(tools)) if tools else None
+        hf_kwargs = dict(kwargs or {})
+        renderer = _renderer(self.tokenizer.get_chat_template(self.chat_template, hf_tools))
+        n = len(prev)
+        if renderer is None or cut.n != n - 1 or cut.n < renderer.plan.min_messages \
+                or cut.index != renderer.plan.cut_index(cut.n) or cut.offset > len(parent_prompt) \
+                or cut.inputs != _inputs(hf_tools, hf_kwargs):
+            return None
+        lazy_all = LazyMessages([*prev, *new], hf_message)
+        added = [lazy_all[i] for i in range(n - 1, len(lazy_all))]  # the reply and the new messages
+        if self._encoder.forged(added):  # the parent's prompt was not marked; these would be
+            return None
+        head, scope = self._scope(renderer, lazy_all, hf_tools, hf_kwargs)
+        if not parent_prompt.startswith(head):
+            return None
+        scope_prev = {**scope, "messages": lazy_all.prefix(n)}
+        at, total = cut.index, len(lazy_all)
+        prefix_rest = renderer.segments(scope_prev, at, n) + renderer.tail(scope_prev, False)
+        next_at = renderer.plan.cut_index(total)
+        mid = renderer.segments(scope, at, next_at)
+        full_rest = mid + renderer.segments(scope, next_at, total) + renderer.tail(scope, True)
+        shared = parent_prompt[:cut.offset]
+        return (shared + full_rest, shared + prefix_rest, cut.offset,
+                RenderCut(total, next_at, cut.offset + len(mid), cut.inputs))
 
     # --- replies -----------------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ from gateway.sessions_cache import SessionCache, SessionView, share_messages
 from gateway.store.models import TurnRecord
 from gateway.store.requests import delta, shared_prefix
 from gateway.store.store import SessionAuth, Store, unique_id
+from gateway.template_segments import RenderCut
 from gateway.templating import ChatTemplate
 from gateway.tool_grammar import ForcedTools, resolve_tool_choice, structural_tag
 from gateway.tool_parsers import ParsedReply, ReplyParser
@@ -178,6 +179,8 @@ class PreparedTurn:
     """Decoded under a grammar (a forced tool_choice, a response_format): recorded on the turn."""
     messages_digest: bytes | None = None
     """The chain digest of the request's messages (gateway.continuity), for the session view's index."""
+    prompt_cut: RenderCut | None = None
+    """Where `prompt_text` may be cut by a turn extending this one (`ChatTemplate.extension_cut`)."""
 
 
 @dataclass(slots=True)
@@ -250,6 +253,7 @@ class TurnService:
         reason: str | None
         text: str | None = None
         digest: bytes | None = None
+        cut: RenderCut | None = None
         big = req.body_bytes >= BIG_BODY_BYTES
         view = await self.cache.get(auth.id, auth.turn_count)
         recorded = view.recorded if max_session_tokens is not None else 0
@@ -259,9 +263,9 @@ class TurnService:
             prompt = await self._raw_prompt(req, big)
             delta, reason = prompt, "completions_endpoint"
         elif big:
-            parent_id, reason, prompt, delta, text, digest = await self.off_loop(self._continue, view, req, True)
+            parent_id, reason, prompt, delta, text, digest, cut = await self.off_loop(self._continue, view, req, True)
         else:
-            parent_id, reason, prompt, delta, text, digest = self._continue(view, req)
+            parent_id, reason, prompt, delta, text, digest, cut = self._continue(view, req)
         if max_session_tokens is not None and recorded + len(prompt) > max_session_tokens:
             raise _session_full(auth.id, recorded, len(prompt), max_session_tokens, req)
         max_new = self._budget(len(prompt), req.max_tokens, req.fit_to_context)
@@ -274,6 +278,7 @@ class TurnService:
             parent_id=parent_id, chain_reason=reason, prompt_text=text, sampling=sampling, temperature=temperature,
             max_new_tokens=max_new, started=started, view=view, template_kwargs=self.kwargs_of(req),
             constrained=req.forced is not None or req.json_schema is not None, messages_digest=digest,
+            prompt_cut=cut,
         )
 
     def _tool_grammar(self, req: TurnRequest, prompt_text: str | None) -> str:
@@ -334,9 +339,9 @@ class TurnService:
 
     def _continue(
         self, view: SessionView, req: TurnRequest, big: bool = False
-    ) -> tuple[str | None, str | None, Sequence[int], list[int], str, bytes]:
-        """(parent id, new-chain reason, prompt ids, prompt delta, prompt text, chain digest of the messages) of
-        a chat turn.
+    ) -> tuple[str | None, str | None, Sequence[int], list[int], str, bytes, RenderCut | None]:
+        """(parent id, new-chain reason, prompt ids, prompt delta, prompt text, chain digest of the messages, where
+        the prompt text may be cut) of a chat turn.
 
         `big`: on a worker thread, with the thread's own template, without the render cache (its keys would
         be as big as the requests), and measuring the new text before it is tokenized."""
@@ -351,25 +356,26 @@ class TurnService:
             check = None
             if big and self.chars_per_token is not None:
                 check = functools.partial(self._check_extension, view.lengths[parent.turn_id], self.chars_per_token)
-            ext = template.extension(
+            ext = template.extension_cut(
                 parent.messages, view.completion(parent.turn_id), req.messages[n_prev:], req.tools,
-                parent_prompt=view.prompt_texts.get(parent.turn_id), kwargs=kwargs, check_new_chars=check,
+                parent_prompt=view.prompt_texts.get(parent.turn_id), parent_cut=view.prompt_cuts.get(parent.turn_id),
+                kwargs=kwargs, check_new_chars=check,
             )
             if ext is not None:
-                ids, text = ext
+                ids, text, cut = ext
                 full = view.full_ids(parent.turn_id)  # an int32 array: no Python int per id of the history
                 full.extend(ids)
-                return parent.turn_id, None, full, ids, text, digest
+                return parent.turn_id, None, full, ids, text, digest, cut
             reason = "template_not_prefix_stable"
         else:
             reason = choice.reason
         if not big:
-            ids, text = self._render_cached(req.messages, req.tools, kwargs)
+            ids, text, cut = self._render_cached(req.messages, req.tools, kwargs)
         else:
             if self._max_prompt_chars is not None:  # measured before the costly part of render_prompt: encoding
                 self._check_chars(template.render_text(req.messages, req.tools, kwargs=kwargs), "messages")
-            ids, text = template.render_prompt(req.messages, req.tools, kwargs)
-        return None, reason, ids, ids, text, digest
+            ids, text, cut = template.render_prompt_cut(req.messages, req.tools, kwargs)
+        return None, reason, ids, ids, text, digest, cut
 
     def _check_extension(self, chain: int, per_token: int, new: int) -> None:
         """Refuse an extension too long for the context before it is tokenized: its text holds at least the `new`
@@ -385,18 +391,18 @@ class TurnService:
 
     def _render_cached(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
-    ) -> tuple[list[int], str]:
+    ) -> tuple[list[int], str, RenderCut | None]:
         """Siblings of a GRPO group send the same first prompt: render and tokenize it once."""
         key = orjson.dumps([messages, tools, kwargs], option=orjson.OPT_SORT_KEYS)
         hit = self._renders.get(key)
         if hit is None:
-            ids, text = self.template.render_prompt(messages, tools, kwargs)
-            hit = self._renders[key] = (tuple(ids), text)
+            ids, text, cut = self.template.render_prompt_cut(messages, tools, kwargs)
+            hit = self._renders[key] = (tuple(ids), text, cut)
             if len(self._renders) > 1024:
                 self._renders.popitem(last=False)
         else:
             self._renders.move_to_end(key)
-        return list(hit[0]), hit[1]
+        return list(hit[0]), hit[1], hit[2]
 
     def _budget(self, prompt_len: int, max_tokens: int | None, fit: bool = False) -> int:
         ctx = self.context_length
@@ -522,7 +528,7 @@ class TurnService:
         else:
             self.cache.record(
                 p.auth.id, seq, p.turn_id, p.req.messages, {} if raw_only else reply, p.req.tools, p.parent_id,
-                p.prompt_delta, gen.ids, p.prompt_text, p.template_kwargs or None, p.messages_digest,
+                p.prompt_delta, gen.ids, p.prompt_text, p.template_kwargs or None, p.messages_digest, p.prompt_cut,
             )
         self.metrics.turn_stored(
             continuity="extends" if p.parent_id else "new-chain", prompt_tokens=len(p.prompt_ids), completion_tokens=len(gen.ids),
