@@ -194,38 +194,57 @@ class ParentIndex:
 
     def __init__(self) -> None:
         self._by_key: dict[bytes, Candidate] = {}
-        self._raw: dict[bytes, bytes] = {}
+        self._raw: dict[bytes, tuple[bytes, dict[str, Any]]] = {}
+        """A message's exact JSON -> its digest, and the message object kept for it."""
         self._raw_bytes = 0
 
     def digests(self, messages: Sequence[Any]) -> list[bytes]:
         """The chain digests of `messages` (`chain_digests`), each message's digest from the cache when its
-        exact JSON was seen before."""
+        exact JSON was seen before. A list's message seen before is replaced, in place, by the object kept for
+        its JSON (the same JSON, so the same message): a session's history is then the same objects turn after
+        turn, and `gateway.sessions_cache.share_messages` finds them shared by identity."""
         raw = self._raw
         out = [EMPTY_CHAIN]
-        for m in messages:
+        swap = isinstance(messages, list)
+        for i, m in enumerate(messages):
             key = None
             if isinstance(m, dict):
                 try:
                     key = orjson.dumps(m)
                 except (TypeError, orjson.JSONEncodeError):
                     key = None
-            digest = raw.get(key) if key is not None else None
-            if digest is None:
+            hit = raw.get(key) if key is not None else None
+            if hit is None:
                 digest = message_digest(m)
                 if key is not None:
-                    if self._raw_bytes + len(key) > RAW_CACHE_BYTES:
-                        raw.clear()
-                        self._raw_bytes = 0
-                    raw[key] = digest
-                    self._raw_bytes += len(key)
+                    self._keep(key, digest, m)
+            else:
+                digest = hit[0]
+                if swap and hit[1] is not m:
+                    messages[i] = hit[1]  # type: ignore[index]
             out.append(chain_step(out[-1], digest))
         return out
+
+    def _keep(self, key: bytes, digest: bytes, message: dict[str, Any]) -> None:
+        if self._raw_bytes + len(key) > RAW_CACHE_BYTES:
+            self._raw.clear()
+            self._raw_bytes = 0
+        self._raw[key] = (digest, message)
+        self._raw_bytes += len(key)
 
     def add(self, cand: Candidate) -> None:
         key = cand.key()
         old = self._by_key.get(key)
         if old is None or cand.created_order >= old.created_order:
             self._by_key[key] = cand
+        reply = cand.messages[-1] if cand.messages else None
+        if isinstance(reply, dict):  # a client that sends the reply back as it got it sends this object's JSON
+            try:
+                key = orjson.dumps(reply)
+            except (TypeError, orjson.JSONEncodeError):
+                return
+            if key not in self._raw:
+                self._keep(key, message_digest(reply), reply)
 
     def find(
         self, candidates: Sequence[Candidate], new_messages: Sequence[Any], tools: Sequence[Any] | None,
