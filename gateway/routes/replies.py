@@ -14,21 +14,34 @@ from gateway import disconnect
 from gateway.errors import BadRequest
 from gateway.generation import Generation
 from gateway.routes.common import M, parse_body, read_raw_body
+from gateway.routes.message_reuse import MessageReuse
 from gateway.services import services
 from gateway.settings import Settings
 from gateway.turns import FinishedTurn, PreparedTurn, TurnService
 
 
-async def read_turn_body(request: Request, model: type[M], messages: str | None) -> tuple[M, int]:
+async def read_turn_body(request: Request, model: type[M], messages: str | None,
+                         reuse: MessageReuse | None = None) -> tuple[M, int]:
     """The body of an OpenAI call (read after its key was checked) and its size in bytes. `messages` names
     the list counted against `max_messages` (and `tools` against `max_tools`; None: neither, a completion
     has no such lists) on the decoded JSON, before validation: validating 230k messages (7 MB) took 3 s of
-    the event loop."""
+    the event loop. `reuse`: that list's messages seen before are not validated again (`MessageReuse`)."""
     raw = await read_raw_body(request)
     if messages is None:
         return parse_body(raw, model), len(raw)
     settings: Settings = services(request).settings
-    return parse_body(raw, model, lambda data: check_counts(data, settings, messages)), len(raw)
+    keys: list[bytes | None] | None = None
+
+    def precheck(data: dict[str, Any]) -> None:
+        nonlocal keys
+        check_counts(data, settings, messages)
+        if reuse is not None:
+            keys = reuse.swap(data, messages)
+
+    body = parse_body(raw, model, precheck)
+    if reuse is not None and keys is not None:
+        reuse.keep(keys, getattr(body, messages))
+    return body, len(raw)
 
 
 def check_counts(data: dict[str, Any], settings: Settings, messages: str) -> None:
