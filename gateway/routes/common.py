@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -85,40 +84,13 @@ def json_text_depth(text: str) -> int:
     return top
 
 
-_KEEP_OPENERS = bytes(b for b in range(256) if b not in b'"[{\\')
-_KEEP_BRACKETS = bytes(b for b in range(256) if b not in b'"[]{}')
-_LONG_RUN = re.compile(rb'[^"]{%d}' % (MAX_JSON_DEPTH + 1))
-_STRING = re.compile(rb'"[^"]*"')
-_QUOTE_OR_BACKSLASH_ESCAPE = re.compile(rb'\\[\\"]')
-_INNERMOST = re.compile(rb"\[\]|\{\}")
-
-
-def _may_be_deep(raw: bytes) -> bool:
-    """Whether `check_json_shape`'s walk could refuse the (valid) JSON text `raw` for depth: its containers nest
-    deeper than MAX_JSON_DEPTH, or one of its strings holds more than MAX_JSON_DEPTH opening brackets and escapes
-    (a tool call's `arguments` that could be too deep). False means the walk would find nothing. A long session's
-    body has thousands of brackets; this decides it with byte operations, without a Python step per element of
-    the body (the walk's microseconds per element grew with the conversation)."""
-    # Without its escaped backslashes and quotes (left to right, as escapes pair), every quote left opens or closes
-    # a string, and each backslash left is one escape (which may decode to a bracket: counted as one).
-    text = _QUOTE_OR_BACKSLASH_ESCAPE.sub(b"", raw)
-    if _LONG_RUN.search(text.translate(None, _KEEP_OPENERS)):  # a run between quotes: a string or structure
-        return True
-    brackets = _STRING.sub(b"", text.translate(None, _KEEP_BRACKETS))
-    for _ in range(MAX_JSON_DEPTH):  # each pass removes the innermost level (pairs formed by a pass wait for the next)
-        if not brackets:
-            return False
-        brackets = _INNERMOST.sub(b"", brackets)
-    return bool(brackets)
-
-
 def check_json_shape(raw: bytes, data: Any) -> None:
     """Refuse bodies nested deeper than MAX_JSON_DEPTH and strings holding NUL characters (which PostgreSQL
     can't store in text or JSONB, so SQLite and PostgreSQL would answer differently), tool-call `arguments`
     strings included (JSON text, parsed later). Two scans of the raw bytes at C speed decide whether the walk
     over the parsed value is needed at all: a body with fewer brackets than the limit can't be that deep, nor
     can a string in it, and a NUL can only arrive as the escape `\u0000`."""
-    deep = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _may_be_deep(raw)
+    deep = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
     nul = b"\\u0000" in raw
     if not (deep or nul):
         return
