@@ -190,13 +190,17 @@ class ParentIndex:
     again as it was is not put in canonical form again. Memory: one entry per turn, and the JSON of each
     distinct message once (at most RAW_CACHE_BYTES)."""
 
-    __slots__ = ("_by_key", "_raw", "_raw_bytes")
+    __slots__ = ("_by_key", "_raw", "_raw_bytes", "_by_id")
 
     def __init__(self) -> None:
         self._by_key: dict[bytes, Candidate] = {}
         self._raw: dict[bytes, tuple[bytes, dict[str, Any]]] = {}
         """A message's exact JSON -> its digest, and the message object kept for it."""
         self._raw_bytes = 0
+        self._by_id: dict[int, bytes] = {}
+        """id of a kept message object -> its digest (the object is alive while kept: the id is its own). A
+        request whose messages are the kept objects themselves (the gateway converts a message it saw before
+        into the same dict: gateway/routes/message_reuse.py) is digested without serialising them."""
 
     def digests(self, messages: Sequence[Any]) -> list[bytes]:
         """The chain digests of `messages` (`chain_digests`), each message's digest from the cache when its
@@ -206,7 +210,12 @@ class ParentIndex:
         raw = self._raw
         out = [EMPTY_CHAIN]
         swap = isinstance(messages, list)
+        by_id = self._by_id
         for i, m in enumerate(messages):
+            known = by_id.get(id(m))
+            if known is not None:
+                out.append(chain_step(out[-1], known))
+                continue
             key = None
             if isinstance(m, dict):
                 try:
@@ -228,8 +237,10 @@ class ParentIndex:
     def _keep(self, key: bytes, digest: bytes, message: dict[str, Any]) -> None:
         if self._raw_bytes + len(key) > RAW_CACHE_BYTES:
             self._raw.clear()
+            self._by_id.clear()
             self._raw_bytes = 0
         self._raw[key] = (digest, message)
+        self._by_id[id(message)] = digest
         self._raw_bytes += len(key)
 
     def add(self, cand: Candidate) -> None:

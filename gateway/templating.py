@@ -371,23 +371,29 @@ class ChatTemplate:
         """
         if not prev_messages or not new_messages:
             raise ValueError("extension needs the parent's messages and at least one new message")
-        known = 0  # characters the two renders and the parent's prompt are known to share
+        # The two renders as texts from `base` on: whole renders from 0; renders by segments from a little before
+        # the parent prompt's cut (the texts before it are the parent prompt's own, and are not copied).
         fast = None
         if parent_cut is not None and parent_prompt is not None:
             try:
                 fast = self._by_segments(prev_messages, new_messages, tools, kwargs, parent_prompt, parent_cut)
             except Exception:  # noqa: BLE001 - the whole renders below raise what the template raises
                 fast = None
-        if fast is not None:
-            full, prefix, known, cut = fast
+        if fast is not None and parent_prompt is not None:
+            full_rest, prefix_rest, known, cut = fast
             marked = False
+            base = max(0, known - self._longest_marker)
+            before = parent_prompt[base:known]
+            full, prefix = before + full_rest, before + prefix_rest
+            whole = parent_prompt[:known] + full_rest
         else:
             hf_all, hf_tools, hf_kwargs, marked = self._template_input(
                 [*prev_messages, *new_messages], tools, kwargs)
             hf_prev = hf_all[: len(prev_messages)]
-            full = self._render(hf_all, hf_tools, True, hf_kwargs)
+            whole = full = self._render(hf_all, hf_tools, True, hf_kwargs)
             prefix = self._render(hf_prev, hf_tools, False, hf_kwargs)
             cut = None if marked else self._cut(hf_all, hf_tools, hf_kwargs, full)
+            base = 0
         if check_new_chars is not None:
             unmark = self._encoder.unmark if marked else str
             check_new_chars(len(unmark(full)) - len(unmark(prefix)))
@@ -401,7 +407,7 @@ class ChatTemplate:
             parent_prompt = self._render(hf_prev[:-1], hf_tools, False, hf_kwargs)
         # The parent's prompt ends with the generation prompt, which may share leading characters with the
         # reply's end marker (an empty reply): step back so the marker is searched for from its start.
-        shared = known + _common_prefix_len(parent_prompt[known:], prefix[known:])
+        shared = _common_prefix_len(parent_prompt[base:], prefix)
         reply_start = max(0, shared - self._longest_marker + 1)
         end = -1
         for marker in self._markers:
@@ -415,18 +421,18 @@ class ChatTemplate:
             if not full.startswith(emitted, len(prefix)):
                 return None
             text = full[len(prefix) + len(emitted):]
-            return self._encode(text, marked), (self._encoder.unmark(full) if marked else full), cut
+            return self._encode(text, marked), (self._encoder.unmark(whole) if marked else whole), cut
         text = prefix[end:] + full[len(prefix) :]
         if not prev_completion_ids or prev_completion_ids[-1] not in self._stop_set:
             text = self.end_of_turn + text  # cut off by max_tokens (or aborted): close the turn
-        return self._encode(text, marked), (self._encoder.unmark(full) if marked else full), cut
+        return self._encode(text, marked), (self._encoder.unmark(whole) if marked else whole), cut
 
     def _by_segments(
         self, prev: Sequence[Message], new: Sequence[Message], tools: Sequence[Any] | None,
         kwargs: Mapping[str, Any] | None, parent_prompt: str, cut: RenderCut,
     ) -> tuple[str, str, int, RenderCut] | None:
-        """`extension`'s two renders (all messages + generation prompt; `prev` alone) by segments after the
-        parent prompt's cut, the length of the text they share with it, and the new prompt's cut; None when the
+        """`extension`'s two renders (all messages + generation prompt; `prev` alone) by segments, each from the
+        parent prompt's cut on, where that cut is, and the new prompt's cut; None when the
         proof does not cover this request (gateway.template_segments: the texts before the cut are the same in
         all three renders)."""
         hf_tools = drop_none(list(tools)) if tools else None
@@ -450,9 +456,7 @@ class ChatTemplate:
         next_at = renderer.plan.cut_index(total)
         mid = renderer.segments(scope, at, next_at)
         full_rest = mid + renderer.segments(scope, next_at, total) + renderer.tail(scope, True)
-        shared = parent_prompt[:cut.offset]
-        return (shared + full_rest, shared + prefix_rest, cut.offset,
-                RenderCut(total, next_at, cut.offset + len(mid), cut.inputs))
+        return full_rest, prefix_rest, cut.offset, RenderCut(total, next_at, cut.offset + len(mid), cut.inputs)
 
     # --- replies -----------------------------------------------------------------------------------
 
