@@ -190,7 +190,7 @@ class ParentIndex:
     again as it was is not put in canonical form again. Memory: one entry per turn, and the JSON of each
     distinct message once (at most RAW_CACHE_BYTES)."""
 
-    __slots__ = ("_by_key", "_raw", "_raw_bytes", "_by_id")
+    __slots__ = ("_by_id", "_by_key", "_raw", "_raw_bytes")
 
     def __init__(self) -> None:
         self._by_key: dict[bytes, Candidate] = {}

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from jinja2 import nodes
 
 PURE_METHODS = frozenset({
@@ -284,7 +285,7 @@ class LazyMessages(Sequence[Any]):
     """The conversation as the template takes it, each message converted (`convert`) when first read: the parts
     of a plan read a few messages of a long conversation."""
 
-    __slots__ = ("_raw", "_convert", "_done")
+    __slots__ = ("_convert", "_done", "_raw")
 
     def __init__(self, raw: Sequence[Any], convert: Callable[[Any], Any], done: dict[int, Any] | None = None) -> None:
         self._raw = raw
@@ -333,3 +334,48 @@ class Renderer:
     def tail(self, scope: Mapping[str, Any], add_generation_prompt: bool) -> str:
         out, _ = _run(self.plan.tail, {**scope, "add_generation_prompt": add_generation_prompt})
         return out
+
+    def cut(self, variables: Mapping[str, Any], messages: Sequence[Any], inputs: bytes, text: str) -> RenderCut | None:
+        """Where `text`, the whole render of `messages` with a generation prompt, ends its head and the segments that
+        later messages cannot change. The segments after them and the tail are rendered again and must end `text`."""
+        n = len(messages)
+        at = self.plan.cut_index(n)
+        try:
+            _, scope = self.head(messages, variables)
+            rest = self.segments(scope, at, n) + self.tail(scope, True)
+        except Exception:  # the whole render succeeded: this one is only an optimisation
+            return None
+        if not text.endswith(rest):
+            return None
+        return RenderCut(n, at, len(text) - len(rest), inputs)
+
+    def usable(self, cut: RenderCut, n: int, parent_prompt: str, inputs: bytes) -> bool:
+        """Whether a parent prompt cut at `cut` is what the renders of its `n` messages (its request and its reply)
+        share up to there: it rendered the n - 1 before the reply, at least the messages the template reads by
+        constant index, with the same tools and chat_template_kwargs (the template writes them as given)."""
+        return (cut.n == n - 1 and cut.n >= self.plan.min_messages and cut.index == self.plan.cut_index(cut.n)
+                and cut.offset <= len(parent_prompt) and cut.inputs == inputs)
+
+    def extend(self, variables: Mapping[str, Any], messages: LazyMessages, n: int, parent_prompt: str,
+               cut: RenderCut) -> tuple[str, str, RenderCut] | None:
+        """The renders of `messages` (with a generation prompt) and of its first `n` (without), each from `cut` on,
+        and the cut of the first; `parent_prompt` up to `cut` is what both start with (`usable`)."""
+        head, scope = self.head(messages, variables)
+        if not parent_prompt.startswith(head):
+            return None
+        scope_prev = {**scope, "messages": messages.prefix(n)}
+        at, total = cut.index, len(messages)
+        prefix_rest = self.segments(scope_prev, at, n) + self.tail(scope_prev, False)
+        next_at = self.plan.cut_index(total)
+        mid = self.segments(scope, at, next_at)
+        full_rest = mid + self.segments(scope, next_at, total) + self.tail(scope, True)
+        return full_rest, prefix_rest, RenderCut(total, next_at, cut.offset + len(mid), cut.inputs)
+
+
+def inputs_json(hf_tools: list[Any] | None, kwargs: Mapping[str, Any]) -> bytes:
+    """The tools and chat_template_kwargs of a render, exactly (key order too: the template writes them as given),
+    which a render by segments must share with the parent prompt's."""
+    try:
+        return orjson.dumps([hf_tools, dict(kwargs)])
+    except (TypeError, orjson.JSONEncodeError):
+        return b""  # never equal to a dump: no render by segments

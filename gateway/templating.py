@@ -23,14 +23,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from gateway.continuity import drop_none
 from gateway.encoding import CachedEncoder
 from gateway.errors import BadRequest
 from gateway.model_formats import ModelFormats, detect
 from gateway.settings import RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
-from gateway.template_segments import LazyMessages, NotLocal, Renderer, RenderCut, plan
+from gateway.template_segments import LazyMessages, NotLocal, RenderCut, Renderer, inputs_json, plan
 from gateway.tool_parsers import (
     ParsedReply,
     ReasoningParser,
@@ -69,15 +67,6 @@ def _renderer(template: str) -> Renderer | None:
         return Renderer(plan(compiled.environment, template))
     except NotLocal:
         return None
-
-
-def _inputs(hf_tools: list[Any] | None, kwargs: Mapping[str, Any]) -> bytes:
-    """The tools and chat_template_kwargs of a render, exactly (key order too: the template writes them as given),
-    which a render by segments must share with the parent's."""
-    try:
-        return orjson.dumps([hf_tools, dict(kwargs)])
-    except (TypeError, orjson.JSONEncodeError):
-        return b""  # never equal to a dump: no render by segments
 
 
 def _text(content: Any) -> str:
@@ -296,29 +285,19 @@ class ChatTemplate:
         cut = None if marked else self._cut(hf_messages, hf_tools, hf_kwargs, text)
         return self._encode(text, marked), (self._encoder.unmark(text) if marked else text), cut
 
-    def _scope(self, renderer: Renderer, messages: Sequence[Any], hf_tools: list[Any] | None,
-               kwargs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-        """The head's text and the variables of a render by segments (what `_render` passes the template)."""
+    def _segment_variables(self, hf_tools: list[Any] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """What `_render` passes the template besides the messages and add_generation_prompt."""
         variables = {**self._variables, **kwargs} if kwargs else self._variables
-        return renderer.head(messages, {**variables, "tools": hf_tools, "documents": None})
+        return {**variables, "tools": hf_tools, "documents": None}
 
     def _cut(self, hf_messages: list[dict[str, Any]], hf_tools: list[Any] | None, kwargs: Mapping[str, Any],
              text: str) -> RenderCut | None:
-        """Where `text`, the whole render of `hf_messages`, ends its head and first segments; None when the
-        template renders whole only. The last segments and the tail are rendered again, and must end `text`."""
+        """Where `text`, the whole render of `hf_messages`, may be cut (`Renderer.cut`); None when the template
+        renders whole only."""
         renderer = _renderer(self.tokenizer.get_chat_template(self.chat_template, hf_tools))
         if renderer is None:
             return None
-        n = len(hf_messages)
-        at = renderer.plan.cut_index(n)
-        try:
-            _, scope = self._scope(renderer, hf_messages, hf_tools, kwargs)
-            rest = renderer.segments(scope, at, n) + renderer.tail(scope, True)
-        except Exception:  # noqa: BLE001 - the whole render succeeded: this one is only an optimisation
-            return None
-        if not text.endswith(rest):
-            return None
-        return RenderCut(n, at, len(text) - len(rest), _inputs(hf_tools, kwargs))
+        return renderer.cut(self._segment_variables(hf_tools, kwargs), hf_messages, inputs_json(hf_tools, kwargs), text)
 
     def extension(
         self,
@@ -377,7 +356,7 @@ class ChatTemplate:
         if parent_cut is not None and parent_prompt is not None:
             try:
                 fast = self._by_segments(prev_messages, new_messages, tools, kwargs, parent_prompt, parent_cut)
-            except Exception:  # noqa: BLE001 - the whole renders below raise what the template raises
+            except Exception:  # the whole renders below raise what the template raises
                 fast = None
         if fast is not None and parent_prompt is not None:
             full_rest, prefix_rest, known, cut = fast
@@ -432,31 +411,19 @@ class ChatTemplate:
         kwargs: Mapping[str, Any] | None, parent_prompt: str, cut: RenderCut,
     ) -> tuple[str, str, int, RenderCut] | None:
         """`extension`'s two renders (all messages + generation prompt; `prev` alone) by segments, each from the
-        parent prompt's cut on, where that cut is, and the new prompt's cut; None when the
-        proof does not cover this request (gateway.template_segments: the texts before the cut are the same in
-        all three renders)."""
+        parent prompt's cut on, where that cut is, and the new prompt's cut; None when the proof does not cover
+        this request (`Renderer.extend`)."""
         hf_tools = drop_none(list(tools)) if tools else None
         hf_kwargs = dict(kwargs or {})
         renderer = _renderer(self.tokenizer.get_chat_template(self.chat_template, hf_tools))
         n = len(prev)
-        if renderer is None or cut.n != n - 1 or cut.n < renderer.plan.min_messages \
-                or cut.index != renderer.plan.cut_index(cut.n) or cut.offset > len(parent_prompt) \
-                or cut.inputs != _inputs(hf_tools, hf_kwargs):
+        if renderer is None or not renderer.usable(cut, n, parent_prompt, inputs_json(hf_tools, hf_kwargs)):
             return None
-        lazy_all = LazyMessages([*prev, *new], hf_message)
-        added = [lazy_all[i] for i in range(n - 1, len(lazy_all))]  # the reply and the new messages
-        if self._encoder.forged(added):  # the parent's prompt was not marked; these would be
-            return None
-        head, scope = self._scope(renderer, lazy_all, hf_tools, hf_kwargs)
-        if not parent_prompt.startswith(head):
-            return None
-        scope_prev = {**scope, "messages": lazy_all.prefix(n)}
-        at, total = cut.index, len(lazy_all)
-        prefix_rest = renderer.segments(scope_prev, at, n) + renderer.tail(scope_prev, False)
-        next_at = renderer.plan.cut_index(total)
-        mid = renderer.segments(scope, at, next_at)
-        full_rest = mid + renderer.segments(scope, next_at, total) + renderer.tail(scope, True)
-        return full_rest, prefix_rest, cut.offset, RenderCut(total, next_at, cut.offset + len(mid), cut.inputs)
+        messages = LazyMessages([*prev, *new], hf_message)
+        if self._encoder.forged([messages[i] for i in range(n - 1, len(messages))]):
+            return None  # the parent's prompt was not marked; the reply or a new message would be
+        ext = renderer.extend(self._segment_variables(hf_tools, hf_kwargs), messages, n, parent_prompt, cut)
+        return None if ext is None else (ext[0], ext[1], cut.offset, ext[2])
 
     # --- replies -----------------------------------------------------------------------------------
 

@@ -105,7 +105,7 @@ def test_whole_renders_by_segments_equal_the_real_templates_renders(real_templat
             the_plan = _plan(source)
         except NotLocal:
             continue
-        except Exception:  # noqa: BLE001 - a template jinja2 cannot compile renders whole anyway
+        except Exception:  # a template jinja2 cannot compile renders whole anyway
             continue
         planned.append(name)
         renderer, rng = Renderer(the_plan), random.Random(name)
@@ -116,7 +116,7 @@ def test_whole_renders_by_segments_equal_the_real_templates_renders(real_templat
             for generation in (True, False):
                 try:
                     whole = _compiled(source).render(messages=messages, add_generation_prompt=generation, **variables)
-                except Exception:  # noqa: BLE001 - a conversation this template refuses
+                except Exception:  # a conversation this template refuses
                     continue
                 head, scope = renderer.head(LazyMessages(messages, dict), variables)
                 at = rng.randrange(len(messages) + 1)
