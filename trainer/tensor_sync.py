@@ -112,6 +112,8 @@ class LiveWeights:
         catch-up ends within its own HTTP limits), saying so every minute."""
         self.generation = 0
         self.readers = 0
+        self.exposed = 0
+        """Gathers that handed the weights out."""
         self.waited_s = 0.0
         """The optimizer steps' total wait for readers (tests, benchmarks)."""
         self._cond = threading.Condition()
@@ -119,6 +121,10 @@ class LiveWeights:
     def expose(self) -> int:
         """A gather handing out the weights: one reader (its publish, which calls `done`). Returns the generation."""
         with self._cond:
+            if not self.exposed:
+                log.info("--weight-sync tensor: the parameters are handed to the servers as they are (one rank, "
+                         "no gather copy); each optimizer step waits until the servers have read them")
+            self.exposed += 1
             self.readers += 1
             return self.generation
 

@@ -47,8 +47,8 @@ from trainer.metrics import MetricsSink
 from trainer.pipeline import GatewayPipeline
 from trainer.plot import plot_rewards
 from trainer.step import make_optimizer, rl_step
-from trainer.tracking import tracking_for
 from trainer.tensor_sync import LiveWeights
+from trainer.tracking import tracking_for
 from trainer.weight_sync import CatchUp, SyncPayload, sync_options
 
 log = logging.getLogger("trainer")

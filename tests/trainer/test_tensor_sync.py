@@ -61,7 +61,7 @@ def test_the_payload_is_the_parameters_themselves_in_shared_memory(tiny_model_di
     assert payload.live is live and payload.load_format is None and live.readers == 1
     params = dict(model.named_parameters())
     names = [n for b in payload.buckets for n in b.names]
-    assert len(payload.buckets) > 1 and "lm_head.weight" not in names or not model.config.tie_word_embeddings
+    assert (len(payload.buckets) > 1 and "lm_head.weight" not in names) or not model.config.tie_word_embeddings
     for b in payload.buckets:
         assert b.flat is None and b.views is not None
         for n, t in zip(b.names, b.views, strict=True):
