@@ -89,7 +89,12 @@ def test_the_optimizer_step_waits_until_the_servers_have_read(tiny_model_dir: Pa
     gateway = _Gateway(hold=0.5)
     publisher = threading.Thread(target=payload.publish, args=(gateway, 1, [], {}))
     stepped: list[float] = []
-    stepper = threading.Thread(target=lambda: (optimizer.step(), stepped.append(time.monotonic())))
+
+    def step() -> None:
+        optimizer.step()
+        stepped.append(time.monotonic())
+
+    stepper = threading.Thread(target=step)
     stepper.start()  # the next step's optimizer step, before the publish thread has even begun
     time.sleep(0.2)
     assert not stepped and live.readers == 1  # waiting for the publish
