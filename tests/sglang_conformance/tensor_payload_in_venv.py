@@ -49,9 +49,9 @@ def _serializer(root: Path) -> Any:
     """`MultiprocessingSerializer` with SGLang's `SafeUnpickler`, defined from its source."""
     source = (root / "srt" / "utils" / "common.py").read_text()
     wanted = {"_safe_load_torch_storage", "SafeUnpickler", "MultiprocessingSerializer"}
-    nodes = [n for n in ast.parse(source).body
+    nodes: list[ast.stmt] = [n for n in ast.parse(source).body
              if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name in wanted]
-    assert {n.name for n in nodes} == wanted, f"sglang's common.py no longer defines {wanted}"
+    assert {getattr(n, "name", None) for n in nodes} == wanted, f"sglang's common.py no longer defines {wanted}"
     namespace: dict[str, Any] = {"io": io, "pickle": pickle, "torch": torch, "ForkingPickler": ForkingPickler,
                                  "pybase64": base64, "__name__": "sglang_common_excerpt"}
     exec(compile(ast.Module(body=nodes, type_ignores=[]), "sglang/srt/utils/common.py", "exec"), namespace)
