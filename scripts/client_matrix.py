@@ -53,13 +53,7 @@ CI_SET = ("claude_agent_sdk", "openai_python", "openai_js")
 """Run by `--ci` (and so by .ci/run): the Claude Agent SDK and one framework per language."""
 PINS: dict[str, list[str]] = {"claude_agent_sdk": ["claude-agent-sdk==0.2.189"]}
 """Requirements for a driver that does not state its own."""
-NOT_RUN: dict[str, tuple[str, str]] = {
-    "crewai": ("CrewAI", "python"),
-    "llamaindex": ("LlamaIndex (ReAct agent)", "python"),
-    "autogen": ("AutoGen (AgentChat)", "python"),
-    "mini_swe_agent": ("mini-swe-agent", "python"),
-    "claude_agent_sdk": ("Claude Agent SDK", "python"),
-}
+NOT_RUN: dict[str, tuple[str, str]] = {}
 """Frameworks of the matrix that have no driver yet: a row saying so (a driver of the same name replaces it)."""
 BEGIN, END = "<!-- client-matrix:begin -->", "<!-- client-matrix:end -->"
 RUNNER = """

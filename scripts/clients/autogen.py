@@ -1,7 +1,9 @@
 """AutoGen AgentChat's `AssistantAgent` with a function tool, on autogen-ext's `OpenAIChatCompletionClient`
 (chat.completions): once without `reflect_on_tool_use` (one call: the tool's result is the answer) and once
 with it (a second call on the tool's result, sent with no tools: the prompt the model sees changes, so that
-call starts a new chain)."""
+call starts a new chain, `different_tools`). The reflection is reached only after a tool call, and the client
+tests' tiny model misforms its call for autogen-ext's tools (each sent with `"strict": false`, a tool shape it was
+not trained on), so with that model both runs are one call each."""
 
 from __future__ import annotations
 
@@ -46,11 +48,12 @@ def run(base_url: str, api_key: str, workdir: pathlib.Path) -> dict[str, Any]:
             out = await agent.run(task=task)
         finally:
             await client.close()
-        kinds = [type(m).__name__ for m in out.messages]
         calls = [c.arguments for m in out.messages if isinstance(m, ToolCallRequestEvent) for c in m.content]
         results = [c.content for m in out.messages if isinstance(m, ToolCallExecutionEvent) for c in m.content]
-        return (f"reflect_on_tool_use={reflect}: messages {kinds}, tool calls {calls} -> {results}, "
-                f"last {str(out.messages[-1].content)[:60]!r}")
+        if not calls:
+            return f"reflect_on_tool_use={reflect}: no tool call, so no tool ran and nothing to reflect on"
+        return (f"reflect_on_tool_use={reflect}: tool calls {calls} -> {results}, "
+                f"last {str(out.messages[-1].content)[:50]!r}")
 
     got = []
     for reflect, task in ((False, QUESTION), (True, SECOND_QUESTION)):
@@ -58,4 +61,7 @@ def run(base_url: str, api_key: str, workdir: pathlib.Path) -> dict[str, Any]:
             got.append(asyncio.run(go(reflect, task)))
         except openai.APIStatusError as e:  # the gateway refused a call
             return result(False, f"reflect_on_tool_use={reflect}: {type(e).__name__}: {e}", ver)
-    return result(True, "; ".join(got), ver)
+    note = "" if "tool calls" in " ".join(got) else (
+        " (the tiny model misforms its call when the tool carries \"strict\": false, which autogen-ext sends on "
+        "every tool; it was not trained on that)")
+    return result(True, "; ".join(got) + note, ver)
