@@ -57,9 +57,9 @@ def run(base_url: str, api_key: str, workdir: pathlib.Path) -> dict[str, Any]:
         return result(True, f"the model's output did not complete ReAct's format: {str(e).splitlines()[0][:200]}",
                       ver)
     tools = [c.tool_name for o in outs for c in o.tool_calls]
-    memory_note = "" if tools else (
-        "the model never wrote ReAct's 'Thought:' format, so LlamaIndex took each reply whole as the answer (one "
-        "step a question, no tool run), and sent it back in the second prompt as 'Thought: (Implicit) ... Answer: "
-        "...', not as the model wrote it; ")
-    return result(True, memory_note + f"tool calls {tools}; answers "
-                  + "; ".join(repr(str(o.response.content)[:30]) for o in outs), ver)
+    answers = "; ".join(repr(str(o.response.content)[:24]) for o in outs)
+    if tools:
+        return result(True, f"tool calls {tools}; answers {answers}", ver)
+    return result(True, "the model never wrote ReAct's 'Thought:' format: each reply taken whole as the answer (one "
+                        "step a question, no tool run), and sent back in the next prompt as 'Thought: (Implicit) ... "
+                        f"Answer: ...'; answers {answers}", ver)
