@@ -37,12 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rollway_common.tensor_payload import FlattenedTensorMetadata, serialize, share_cpu_tensors
 
 log = logging.getLogger("trainer")
 
-__all__ = ["LiveWeights", "host_id", "payloads", "serialize_bucket", "serialize_named", "share_cpu_tensors"]
+__all__ = ["LiveWeights", "exposable", "host_id", "payloads", "serialize_bucket", "serialize_named", "share_cpu_tensors"]
 
 
 def serialize_bucket(flat: torch.Tensor, names: list[str], shapes: list[list[int]]) -> str:
@@ -93,6 +94,16 @@ def payloads(buckets: list[Any], groups: list[dict[str, Any]]) -> dict[str, list
 
     return {str(g["group_name"]): [[entry(b) for _ in range(max(1, int(g["world_size"]) - 1))] for b in buckets]
             for g in groups}
+
+
+def exposable(state: dict[str, torch.Tensor], dtype: torch.dtype, device: str | None) -> bool:
+    """Whether the state dict's tensors can be handed to the servers as they are: one trainer rank (so they are the
+    model's own parameters, not a gathered copy), on CPU (`device` None: shared memory), already in the dtype the
+    servers load, dense plain tensors."""
+    if device is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+               and t.layout == torch.strided for t in state.values())
 
 
 class LiveWeights:

@@ -40,7 +40,7 @@ from rollway_common.process_group import init_custom_process_group
 from rollway_common.procs import free_port
 from trainer.checkpoint import TOKENIZER_FILES, _fsync_dir, _fsync_tree, full_state_dict, save_dtype
 from trainer.client import GatewayClient, GatewayHTTPError
-from trainer.tensor_sync import LiveWeights, host_id, payloads, share_cpu_tensors
+from trainer.tensor_sync import LiveWeights, exposable, host_id, payloads, share_cpu_tensors
 
 log = logging.getLogger("trainer")
 
@@ -184,16 +184,6 @@ def sync_options(cfg: Any, out: Path, catch_up: CatchUp | None = None, live: Liv
                        bucket_bytes=max(1, int(cfg.weight_sync_bucket_mb * (1 << 20))),
                        timeout=cfg.weight_sync_timeout, fallback_dir=out / "weights", catch_up=catch_up,
                        live=live if tensor else None)
-
-
-def exposable(state: dict[str, torch.Tensor], dtype: torch.dtype, device: str | None) -> bool:
-    """Whether the state dict's tensors can be handed to the servers as they are: one trainer rank (so they are the
-    model's own parameters, not a gathered copy), on CPU (`device` None: shared memory), already in the dtype the
-    servers load, dense plain tensors."""
-    if device is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
-               and t.layout == torch.strided for t in state.values())
 
 
 class BufferSet:
