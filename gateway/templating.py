@@ -353,6 +353,7 @@ class ChatTemplate:
         # The two renders as texts from `base` on: whole renders from 0; renders by segments from a little before
         # the parent prompt's cut (the texts before it are the parent prompt's own, and are not copied).
         fast = None
+        cut: RenderCut | None
         if parent_cut is not None and parent_prompt is not None:
             try:
                 fast = self._by_segments(prev_messages, new_messages, tools, kwargs, parent_prompt, parent_cut)

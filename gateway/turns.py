@@ -217,7 +217,7 @@ class TurnService:
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.stop_ids = set(template.stop_token_ids)
         self._token_text: dict[int, tuple[str, list[int]]] = {}
-        self._renders: OrderedDict[bytes, tuple[tuple[int, ...], str]] = OrderedDict()
+        self._renders: OrderedDict[bytes, tuple[tuple[int, ...], str, RenderCut | None]] = OrderedDict()
         per_token = max_chars_per_token(self.tokenizer)
         self.chars_per_token = per_token
         """No token stands for more characters than this (None: not provable for this tokenizer)."""
@@ -254,6 +254,7 @@ class TurnService:
         text: str | None = None
         digest: bytes | None = None
         cut: RenderCut | None = None
+        prompt: Sequence[int]
         big = req.body_bytes >= BIG_BODY_BYTES
         view = await self.cache.get(auth.id, auth.turn_count)
         recorded = view.recorded if max_session_tokens is not None else 0
@@ -524,7 +525,7 @@ class TurnService:
             # A raw completion is no parent (no messages), but its ids count toward the session's tokens.
             # The view stays current, as a reload from the store would build it; handing the cache a turn
             # without a reply would drop the view and reload every turn of the session on the next call.
-            p.view.add_ids(p.turn_id, seq, None, p.prompt_ids, gen.ids)
+            p.view.add_ids(p.turn_id, seq, None, list(p.prompt_ids), gen.ids)
         else:
             self.cache.record(
                 p.auth.id, seq, p.turn_id, p.req.messages, {} if raw_only else reply, p.req.tools, p.parent_id,
