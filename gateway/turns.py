@@ -510,7 +510,7 @@ class TurnService:
             },
         )
         # Shielded: a client that goes away while we commit must not cancel the commit.
-        seq = await asyncio.shield(self.store.insert_turn(p.auth.id, record))
+        seq = await asyncio.shield(self.store.insert_turn_started(p.auth.id, record))
         if raw_only and p.view is not None and p.view.turn_count == seq - 1:
             # A raw completion is no parent (no messages), but its ids count toward the session's tokens.
             # The view stays current, as a reload from the store would build it; handing the cache a turn

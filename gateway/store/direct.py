@@ -251,12 +251,16 @@ class SqliteStatements:
         return _auth_row(self.db.execute(f"{_AUTH}{column} = ?", (value,)).fetchone())
 
     async def insert_turn(self, session_id: str, now: float, turn: TurnRecord) -> int:
+        return await self.insert_turn_started(session_id, now, turn)
+
+    def insert_turn_started(self, session_id: str, now: float, turn: TurnRecord) -> asyncio.Future[int]:
+        """The turn queued for the writer's next group commit; the future resolves to its seq once committed."""
         params = [session_id, 0, now, *turn_params(turn)]
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._queue.append((session_id, now, params, done))
         if self._writer is None:  # it starts after this turn of the loop: what else is stored in it joins
             self._writer = asyncio.ensure_future(self._write())
-        return await done
+        return done
 
     async def _write(self) -> None:
         try:
