@@ -157,10 +157,34 @@ EMPTY_CHAIN = b"\0" * DIGEST_SIZE
 """The chain digest of no messages."""
 
 
+MESSAGE_DIGESTS_BYTES = 16 << 20
+"""The most JSON `message_digest` keeps, across sessions (then it starts over)."""
+_message_digests: dict[bytes, bytes] = {}
+_message_digests_bytes = 0
+
+
 def message_digest(msg: Any) -> bytes:
     """BLAKE2b of a message's canonical form as JSON (content text and content-part tuples serialise
-    differently, so they never collide)."""
-    return hashlib.blake2b(orjson.dumps(tuple(canonical_message(msg))), digest_size=DIGEST_SIZE).digest()
+    differently, so they never collide). Kept by the message's exact JSON across sessions: the sessions of a run
+    send the same system prompt, tool results and replies again and again (each session's first call put every
+    one of its messages in canonical form)."""
+    global _message_digests_bytes
+    key: bytes | None = None
+    if isinstance(msg, dict):
+        try:
+            key = orjson.dumps(msg)
+        except (TypeError, orjson.JSONEncodeError):
+            key = None
+        if key is not None and (hit := _message_digests.get(key)) is not None:
+            return hit
+    digest = hashlib.blake2b(orjson.dumps(tuple(canonical_message(msg))), digest_size=DIGEST_SIZE).digest()
+    if key is not None:
+        if _message_digests_bytes + len(key) > MESSAGE_DIGESTS_BYTES:
+            _message_digests.clear()
+            _message_digests_bytes = 0
+        _message_digests[key] = digest
+        _message_digests_bytes += len(key)
+    return digest
 
 
 def chain_step(previous: bytes, message: bytes) -> bytes:

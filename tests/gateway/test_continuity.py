@@ -451,3 +451,30 @@ def test_candidate_keys_with_the_cached_tools_key() -> None:
     index.add(c)
     assert index.find([c], [*T1, RESULT], TOOLS)[1] is c
     assert index.find([c], [*T1, RESULT], TOOLS, {"enable_thinking": True})[1] is None
+
+
+def test_message_digest_kept_across_sessions_equals_the_canonical_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`message_digest` kept by exact JSON answers what the canonical form gives; re-serialised variants digest the
+    same; a message that is not plain JSON is digested without the cache; past its bound the cache starts over."""
+    import hashlib
+
+    import gateway.continuity as continuity
+
+    monkeypatch.setattr(continuity, "_message_digests", {})
+    monkeypatch.setattr(continuity, "_message_digests_bytes", 0)
+
+    def uncached(m: Any) -> bytes:
+        return hashlib.blake2b(continuity.orjson.dumps(tuple(canonical_message(m))), digest_size=16).digest()
+
+    variants = [SYSTEM, {"content": "You are terse.", "role": "system", "name": None}, CALL, RESULT, ANSWER,
+                {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}, USER]
+    for m in variants * 2:
+        assert message_digest(m) == uncached(m)
+    assert message_digest(variants[1]) == message_digest(SYSTEM)
+    assert message_digest(variants[5]) == message_digest(USER)
+    assert len(continuity._message_digests) == len(variants)
+    assert message_digest(ChatMessage.model_validate(USER)) == message_digest(USER)  # not a dict: not kept
+    assert len(continuity._message_digests) == len(variants)
+    monkeypatch.setattr(continuity, "MESSAGE_DIGESTS_BYTES", continuity._message_digests_bytes + 5)
+    message_digest(USER2)
+    assert list(continuity._message_digests) == [continuity.orjson.dumps(USER2)]
