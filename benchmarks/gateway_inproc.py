@@ -102,7 +102,7 @@ async def _child(args: argparse.Namespace) -> dict[str, Any]:
     upgrade(db)
     admin = secrets.token_urlsafe(16)
     app = create_app(Settings(backends=[args.backend], tokenizer=args.tokenizer, db=db, port=1,
-                              data_dir=f"{args.workdir}/data-{secrets.token_hex(3)}"), admin_key=admin)
+                              data_dir=Path(args.workdir) / f"data-{secrets.token_hex(3)}"), admin_key=admin)
     cpu: list[float] = []
     instructions_calls = 0
     try:

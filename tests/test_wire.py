@@ -42,6 +42,6 @@ def test_pack_refuses_what_array_refuses(values: list[Any], dtype: Any) -> None:
 
 def test_int32_array_is_array_i() -> None:
     for values in ([1, -2, 2**31 - 1], [], (5, 6)):
-        assert int32_array(values) == array("i", values)  # type: ignore[arg-type]
+        assert int32_array(values) == array("i", values)
     with pytest.raises(OverflowError):
         int32_array([2**31])

@@ -50,7 +50,6 @@ def test_unsafe_attributes_stay_refused() -> None:
 
 def test_no_exception_for_a_dicts_keys() -> None:
     """The point of it: the fast read of a key never reaches the sandbox's getattr."""
-    _, fast = _envs()
     calls: list[str] = []
     sandboxed = ImmutableSandboxedEnvironment.getattr
 
@@ -90,7 +89,8 @@ def test_chat_templates_render_as_the_sandbox(make: Any) -> None:
     ct = make()
     hf_messages, hf_tools, hf_kwargs, _ = ct._template_input(CONVERSATION, TOOLS, {})
     template = ct.tokenizer.get_chat_template(ct.chat_template, hf_tools)
-    plain = getattr(_cached_compile_jinja_template, "__wrapped__", _cached_compile_jinja_template)(template)
+    compile_template: Any = getattr(_cached_compile_jinja_template, "__wrapped__", _cached_compile_jinja_template)
+    plain = compile_template(template)
     assert not getattr(plain.environment, "_dict_attributes_fast", False)
     for gen in (True, False):
         expected = plain.render(messages=hf_messages, tools=hf_tools, documents=None, add_generation_prompt=gen,
