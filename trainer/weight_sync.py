@@ -38,9 +38,18 @@ from torch import nn
 
 from rollway_common.process_group import init_custom_process_group
 from rollway_common.procs import free_port
+from rollway_common.sync_deadline import answer_timeout
 from trainer.checkpoint import TOKENIZER_FILES, _fsync_dir, _fsync_tree, full_state_dict, save_dtype
 from trainer.client import GatewayClient, GatewayHTTPError
-from trainer.tensor_sync import LiveWeights, exposable, host_id, payloads, share_cpu_tensors
+from trainer.tensor_sync import (
+    LiveWeights,
+    WeightsStillRead,
+    exposable,
+    host_id,
+    payloads,
+    share_cpu_tensors,
+    wait_sync_over,
+)
 
 log = logging.getLogger("trainer")
 
@@ -195,6 +204,8 @@ class BufferSet:
         self.flats = flats
         self.generation = 0
         self.lock = threading.Lock()
+        self.stranded = False
+        """Servers may still be reading it (a publish whose end the gateway never confirmed): left as it is."""
 
 
 _POOL: dict[tuple[Any, ...], list[BufferSet]] = {}
@@ -207,19 +218,21 @@ def _buffers(layout: list[list[str]], state: dict[str, torch.Tensor], device: st
     two payloads: one publishing, the next just gathered). Fresh memory costs its page faults on every step: a
     100M-parameter copy took 1.5 s into new pages on 2 busy cores."""
     key = (*((tuple(names), state[names[0]].dtype) for names in layout), device, shared)
+
+    def make(names: list[str]) -> torch.Tensor:
+        t = torch.empty(sum(state[n].numel() for n in names), dtype=state[names[0]].dtype, device=device)
+        if shared and t.device.type == "cpu":  # the tensor path hands out its memory by name
+            share_cpu_tensors()
+            t.share_memory_()
+        return t
+
     if key not in _POOL:
         _POOL.clear()
         _TURN.clear()
-
-        def make(names: list[str]) -> torch.Tensor:
-            t = torch.empty(sum(state[n].numel() for n in names), dtype=state[names[0]].dtype, device=device)
-            if shared and t.device.type == "cpu":  # the tensor path hands out its memory by name
-                share_cpu_tensors()
-                t.share_memory_()
-            return t
-
         _POOL[key] = [BufferSet([make(names) for names in layout]) for _ in range(2)]
     turn = _TURN[key] = 1 - _TURN.get(key, 1)
+    if _POOL[key][turn].stranded:  # servers may still read it: a fresh set takes its place
+        _POOL[key][turn] = BufferSet([make(names) for names in layout])
     return _POOL[key][turn]
 
 
@@ -286,11 +299,19 @@ class SyncPayload:
         try:
             return self._publish(client, version, batch_ids, results)
         finally:
-            if self.live is not None and not self._done:  # the servers have read the weights: the step may go on
+            if self.live is not None and not self._done:  # no server reads the weights any more: the step may go on
                 self._done = True
-                self.live.done()
+                if self.stranded:
+                    self.live.strand("the gateway never said the servers stopped reading the published weights")
+                else:
+                    self.live.done()
+            if self.stranded and self.buffers is not None:
+                self.buffers.stranded = True  # never written again: the next gathers get fresh buffers
 
     _done = False
+    stranded = False
+    """The tensor path: the gateway's answer failed and it never said the publish was over, so servers may still
+    read these tensors: they must never change (exposed weights: the next optimizer step raises)."""
 
     @contextmanager
     def reading(self) -> Iterator[bool]:
@@ -346,9 +367,17 @@ class SyncPayload:
         if backend == "tensor":  # no group: each backend opens the buckets' memory itself
             if any(b.is_cuda for b in self.buckets):
                 torch.cuda.synchronize()  # the gather's copies are done before another process reads them
-            answer = client.sync(plan["sync_id"], version, {}, [b.manifest() for b in self.buckets], batch_ids,
-                                 results, timeout=opts.timeout * (2 + len(self.buckets)),
-                                 tensors=payloads(self.buckets, groups), load_format=self.load_format)
+            try:
+                answer = client.sync(plan["sync_id"], version, {}, [b.manifest() for b in self.buckets], batch_ids,
+                                     results, timeout=answer_timeout(opts.timeout, len(self.buckets)),
+                                     tensors=payloads(self.buckets, groups), load_format=self.load_format)
+            except BaseException as e:  # timed out, connection dropped, a proxy's 502: the servers may still read
+                try:
+                    answer = wait_sync_over(client, str(plan["sync_id"]),
+                                            answer_timeout(opts.timeout, len(self.buckets)) + 60.0, e)
+                except WeightsStillRead:
+                    self.stranded = True  # `publish` keeps the memory from ever changing under those reads
+                    raise
             self.last = {"answer": answer, "seconds": time.perf_counter() - t0, "groups": {}}
             return answer
         senders = [Sender(g, opts.address, free_port(), backend, opts.timeout, self.buckets).start() for g in groups]
