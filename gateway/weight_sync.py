@@ -449,7 +449,8 @@ class ProcessGroupSync:
         if plan is not None:
             out["sync"] = {"sync_id": plan.sync_id, "version": plan.version, "backend": plan.backend,
                            "catch_up": plan.catch_up, "targets": [t.json() for t in plan.targets]}
-        out["finished"] = self.finished
+        if self.finished is not None:  # the last sync that ended: a trainer whose call failed reads its answer here
+            out["finished"] = self.finished
         return out
 
 
