@@ -24,7 +24,11 @@ version recorded and no batch acked. The next publish includes them too.
 of ports, one `/update_weights_from_tensor` payload per bucket and TP rank for each backend (`tensors`; SGLang's
 serialized handles to the trainer's shared memory or CUDA IPC memory, a few hundred bytes each; `load_format` says
 whether they are flattened buckets or named tensors, and is passed on to the servers as it is). The same steps
-without a group: mark, begin, one `/update_weights_from_tensor` per bucket (the version on the last), end. Such
+without a group: mark, begin, one `/update_weights_from_tensor` per bucket, end, name the version (its own call,
+after the last read answered), each backend within `server_deadline` (rollway_common/sync_deadline.py): one given up
+on may still be reading and stays "<v>-partial". The sync runs apart from the trainer's request and stays listed in
+`GET /v1/weights/sync` until every backend's update ended or was given up on: the trainer changes the memory the
+servers read only after that (docs/scaling.md "Ways to publish"). Such
 handles open only on the machine that made them, so init refuses (400) a trainer whose `host_id` (its kernel's
 boot id) is not this gateway's, and a backend whose URL is not an address of this host.
 """

@@ -14,7 +14,8 @@ Each payload is SGLang 0.5.23's own format (rollway_common/tensor_payload.py), o
   checkpoint's dtype): `load_format` unset, a list of `(name, tensor)` pairs whose tensors are the model's own
   parameters, moved into shared memory once (`share_memory_()`, in place). No gather copy: each server copies
   straight out of the trainer's memory. `LiveWeights` keeps the next optimizer step from changing them until every
-  server has read them (the publish's paused begin/end session ends first).
+  server has read them (the publish's paused begin/end session ends first): until the gateway answers, or, when
+  that call fails, says the publish is over (`wait_sync_over`); never, when it does not say (`WeightsStillRead`).
 - **buckets** (otherwise: several ranks, a dtype to cast to, a GPU): as SGLang's `Engine.update_weights_from_tensor`
   callers (verl, slime) build it for `load_format="flattened_bucket"`, `{"flattened_tensor": <the bucket's bytes,
   uint8>, "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel), ...]}`
@@ -39,13 +40,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rollway_common.sync_deadline import answer_timeout
 from rollway_common.tensor_payload import FlattenedTensorMetadata, serialize, share_cpu_tensors
 from trainer.client import GatewayClient, GatewayHTTPError
 
 log = logging.getLogger("trainer")
 
 __all__ = ["LiveWeights", "WeightsStillRead", "exposable", "host_id", "payloads", "serialize_bucket", "serialize_named",
-           "share_cpu_tensors", "wait_sync_over"]
+           "share_cpu_tensors", "sync_tensors", "wait_sync_over"]
 
 
 def serialize_bucket(flat: torch.Tensor, names: list[str], shapes: list[list[int]]) -> str:
@@ -117,6 +119,21 @@ def wait_sync_over(client: GatewayClient, sync_id: str, limit: float, error: Exc
                                    "kept as they are") from error
         time.sleep(delay)
         delay = min(2.0, delay * 2)
+
+
+def sync_tensors(client: GatewayClient, plan: dict[str, Any], version: int, buckets: list[Any], batch_ids: list[str],
+                 results: dict[str, str], timeout_s: float, load_format: str | None) -> dict[str, Any]:
+    """`POST /v1/weights/sync` with the buckets' handles (`payloads`); returns the gateway's answer only once no
+    server can still be reading them: the gateway answers after every server's read ended or was given up on, and
+    is waited for longer than its deadline; if the call fails anyway, `wait_sync_over` asks it."""
+    if any(b.is_cuda for b in buckets):
+        torch.cuda.synchronize()  # the gather's copies are done before another process reads them
+    limit = answer_timeout(timeout_s, len(buckets))
+    try:
+        return client.sync(plan["sync_id"], version, {}, [b.manifest() for b in buckets], batch_ids, results,
+                           timeout=limit, tensors=payloads(buckets, plan["groups"]), load_format=load_format)
+    except Exception as e:  # timed out, connection dropped, a proxy's 5xx: the servers may still be reading
+        return wait_sync_over(client, str(plan["sync_id"]), limit + 60.0, e)
 
 
 @cache

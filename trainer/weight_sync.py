@@ -38,18 +38,10 @@ from torch import nn
 
 from rollway_common.process_group import init_custom_process_group
 from rollway_common.procs import free_port
-from rollway_common.sync_deadline import answer_timeout
+from trainer import tensor_sync
 from trainer.checkpoint import TOKENIZER_FILES, _fsync_dir, _fsync_tree, full_state_dict, save_dtype
 from trainer.client import GatewayClient, GatewayHTTPError
-from trainer.tensor_sync import (
-    LiveWeights,
-    WeightsStillRead,
-    exposable,
-    host_id,
-    payloads,
-    share_cpu_tensors,
-    wait_sync_over,
-)
+from trainer.tensor_sync import LiveWeights, WeightsStillRead, exposable, host_id, share_cpu_tensors
 
 log = logging.getLogger("trainer")
 
@@ -310,8 +302,7 @@ class SyncPayload:
 
     _done = False
     stranded = False
-    """The tensor path: the gateway's answer failed and it never said the publish was over, so servers may still
-    read these tensors: they must never change (exposed weights: the next optimizer step raises)."""
+    """The tensor path: servers may still read these tensors (`WeightsStillRead`): they must never change."""
 
     @contextmanager
     def reading(self) -> Iterator[bool]:
@@ -365,19 +356,12 @@ class SyncPayload:
         backend = opts.resolved_backend()
         groups = plan["groups"]
         if backend == "tensor":  # no group: each backend opens the buckets' memory itself
-            if any(b.is_cuda for b in self.buckets):
-                torch.cuda.synchronize()  # the gather's copies are done before another process reads them
             try:
-                answer = client.sync(plan["sync_id"], version, {}, [b.manifest() for b in self.buckets], batch_ids,
-                                     results, timeout=answer_timeout(opts.timeout, len(self.buckets)),
-                                     tensors=payloads(self.buckets, groups), load_format=self.load_format)
-            except BaseException as e:  # timed out, connection dropped, a proxy's 502: the servers may still read
-                try:
-                    answer = wait_sync_over(client, str(plan["sync_id"]),
-                                            answer_timeout(opts.timeout, len(self.buckets)) + 60.0, e)
-                except WeightsStillRead:
-                    self.stranded = True  # `publish` keeps the memory from ever changing under those reads
-                    raise
+                answer = tensor_sync.sync_tensors(client, plan, version, self.buckets, batch_ids, results,
+                                                  opts.timeout, self.load_format)
+            except WeightsStillRead:
+                self.stranded = True  # `publish` keeps the memory from ever changing under those reads
+                raise
             self.last = {"answer": answer, "seconds": time.perf_counter() - t0, "groups": {}}
             return answer
         senders = [Sender(g, opts.address, free_port(), backend, opts.timeout, self.buckets).start() for g in groups]

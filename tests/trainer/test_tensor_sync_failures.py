@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -106,7 +106,7 @@ def test_a_failed_answer_keeps_the_weights_until_the_gateway_says_the_reads_are_
                                                                                       sqlite_url: str) -> None:
     slow, eng = engine(tiny_model_dir, delay=0.6)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    with LiveServer(slow) as server, LiveGateway(backends=[server.url], tokenizer=str(tiny_model_dir),
+    with LiveServer(cast(Any, slow)) as server, LiveGateway(backends=[server.url], tokenizer=str(tiny_model_dir),
                                                  db=sqlite_url) as gw:
         cut = CutSync(cut=0.3)
         client = GatewayClient(gw.url, ADMIN_KEY, timeout=30, transport=cut)
@@ -151,7 +151,7 @@ def test_a_server_given_up_on_mid_read_never_claims_the_version(tiny_model_dir: 
     fast_app, fast = engine(tiny_model_dir)
     slow_app, slow = engine(tiny_model_dir, delay=3.0)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    with LiveServer(fast_app) as a, LiveServer(slow_app) as b, LiveGateway(
+    with LiveServer(cast(Any, fast_app)) as a, LiveServer(cast(Any, slow_app)) as b, LiveGateway(
         backends=[a.url, b.url], tokenizer=str(tiny_model_dir), db=sqlite_url
     ) as gw:
         client = GatewayClient(gw.url, ADMIN_KEY, timeout=30)
@@ -211,7 +211,7 @@ def test_a_gateway_that_never_says_keeps_the_weights_for_ever(tiny_model_dir: Pa
 
     real = ts.wait_sync_over
     with pytest.MonkeyPatch.context() as mp:  # a short limit: it would otherwise ask for minutes
-        mp.setattr("trainer.weight_sync.wait_sync_over", lambda c, s, limit, e: real(c, s, 0.5, e))
+        mp.setattr("trainer.tensor_sync.wait_sync_over", lambda c, s, limit, e: real(c, s, 0.5, e))
         with pytest.raises(ts.WeightsStillRead):
             payload.publish(Gone(), 1, [], {})  # type: ignore[arg-type]
     step, stepped = run_step(model, live)
