@@ -291,18 +291,20 @@ class SyncPayload:
         try:
             return self._publish(client, version, batch_ids, results)
         finally:
+            self._strand()  # first: a step waiting for `done` must see it
             if self.live is not None and not self._done:  # no server reads the weights any more: the step may go on
                 self._done = True
-                if self.stranded:
-                    self.live.strand("the gateway never said the servers stopped reading the published weights")
-                else:
-                    self.live.done()
-            if self.stranded and self.buffers is not None:
-                self.buffers.stranded = True  # never written again: the next gathers get fresh buffers
+                self.live.done()
 
     _done = False
     stranded = False
     """The tensor path: servers may still read these tensors (`WeightsStillRead`): they must never change."""
+
+    def _strand(self) -> None:
+        if self.stranded and self.live is not None:  # every later optimizer step raises
+            self.live.strand("the gateway never said the servers stopped reading the published weights")
+        if self.stranded and self.buffers is not None:
+            self.buffers.stranded = True  # never written again: the next gathers get fresh buffers
 
     @contextmanager
     def reading(self) -> Iterator[bool]:
@@ -340,7 +342,10 @@ class SyncPayload:
                                 host_id=host_id())
         if not plan["groups"]:
             return None
-        return self._send(client, plan, version, [], {})
+        try:
+            return self._send(client, plan, version, [], {})
+        finally:
+            self._strand()
 
     def _publish_distributed(self, client: GatewayClient, version: int, batch_ids: list[str],
                              results: dict[str, str]) -> int:
