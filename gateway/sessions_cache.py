@@ -22,7 +22,7 @@ import orjson
 from gateway.continuity import Candidate, ParentIndex
 from gateway.store.store import Store, TurnRow
 from gateway.template_segments import RenderCut
-from rollway_common.wire import unpack
+from rollway_common.wire import int32_array, unpack
 
 PROMPT_TEXTS_KEPT = 2
 """Rendered prompts kept per session (a turn extending one of these renders one template less; one extending an
@@ -83,8 +83,8 @@ class SessionView:
     def add_ids(self, turn_id: str, seq: int, parent_id: str | None, prompt_delta: list[int],
                 completion_ids: list[int]) -> None:
         """A turn's ids; `prompt_delta` follows the parent's full ids (the whole prompt when `parent_id` is None)."""
-        own = array("i", prompt_delta)
-        own.extend(completion_ids)
+        own = int32_array(prompt_delta)
+        own.extend(int32_array(completion_ids))
         self.segments[turn_id] = (parent_id, own, len(completion_ids))
         full = len(own) + (self.lengths[parent_id] if parent_id is not None else 0)
         self.lengths[turn_id] = full

@@ -216,7 +216,8 @@ class TurnService:
         self.reasoning = reasoning
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.stop_ids = set(template.stop_token_ids)
-        self._token_text: dict[int, tuple[str, list[int]]] = {}
+        self.token_texts: dict[int, tuple[str, list[int]]] = {}
+        """token id -> `token_text`'s answer, for those asked once."""
         self._renders: OrderedDict[bytes, tuple[tuple[int, ...], str, RenderCut | None]] = OrderedDict()
         per_token = max_chars_per_token(self.tokenizer)
         self.chars_per_token = per_token
@@ -452,10 +453,10 @@ class TurnService:
 
     def token_text(self, token_id: int) -> tuple[str, list[int]]:
         """One token's text and UTF-8 bytes for OpenAI logprobs (cached: decoding is the costly part)."""
-        hit = self._token_text.get(token_id)
+        hit = self.token_texts.get(token_id)
         if hit is None:
             text = str(self.tokenizer.decode([token_id], skip_special_tokens=False))
-            hit = self._token_text[token_id] = (text, list(text.encode()))
+            hit = self.token_texts[token_id] = (text, list(text.encode()))
         return hit
 
     def reply_parser(self, p: PreparedTurn) -> ReplyParser:
@@ -520,7 +521,7 @@ class TurnService:
             },
         )
         # Shielded: a client that goes away while we commit must not cancel the commit.
-        seq = await asyncio.shield(self.store.insert_turn(p.auth.id, record))
+        seq = await asyncio.shield(self.store.insert_turn_started(p.auth.id, record))
         if raw_only and p.view is not None and p.view.turn_count == seq - 1:
             # A raw completion is no parent (no messages), but its ids count toward the session's tokens.
             # The view stays current, as a reload from the store would build it; handing the cache a turn

@@ -66,14 +66,16 @@ def logprobs_content(
 ) -> list[dict[str, Any]]:
     """OpenAI's `logprobs.content` for generated ids (stop ids left out: they are not text)."""
     out = []
+    stop, known, token_text = turns.stop_ids, turns.token_texts, turns.token_text  # every token of every reply
+    n_tops = len(tops)
     for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
-        if tid in turns.stop_ids:
+        if tid in stop:
             continue
-        text, raw = turns.token_text(tid)
+        text, raw = known.get(tid) or token_text(tid)
         entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": raw, "top_logprobs": []}
-        if i < len(tops) and tops[i]:
+        if i < n_tops and tops[i]:
             entry["top_logprobs"] = [
-                {"token": (tb := turns.token_text(cand))[0], "logprob": clp, "bytes": tb[1]} for cand, clp in tops[i]
+                {"token": (tb := token_text(cand))[0], "logprob": clp, "bytes": tb[1]} for cand, clp in tops[i]
             ]
         out.append(entry)
     return out
