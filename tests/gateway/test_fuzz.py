@@ -273,6 +273,7 @@ def test_fuzz(gateway: LiveGateway, db_url: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~2 min of CPU on a quiet 2-core machine: the 300 s default guard tripped at load 6
 def test_fuzz_long(gateway: LiveGateway, db_url: str) -> None:
     table, problems = _fuzz(gateway, SLOW_EXAMPLES)
     _report(table, problems, db_url.split(":")[0])
