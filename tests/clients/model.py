@@ -7,7 +7,10 @@ The random tiny model never calls a tool or thinks, so the client tests fine-tun
   expression is copied from the question (the reasoning block gives the thinking tests something to split);
 - after the tool's result: a fixed final answer (a tiny model does not learn to copy the result in a few
   steps);
-- without tools: a fixed greeting (plain text that ends the turn).
+- without tools: a fixed greeting (plain text that ends the turn);
+- Claude Code's own requests (CLAUDE_CODE, captured from the gateway's store): the Claude Agent SDK's
+  `mcp__calc__calculate` and the CLI's `Bash` offered, the same thought, then a call of the offered tool by its
+  offered name (`{"expression": "12+7"}`, `{"command": "echo $((12+7))"}`), and after the result the fixed answer.
 
 The tool schema is drawn from the shapes the three SDKs send (OpenAI's function tool as written, the
 OpenAI Agents SDK's `@function_tool` schema with titles and `additionalProperties`), so the model calls the
@@ -62,6 +65,9 @@ PHASES: tuple[tuple[int, float, int], ...] = ((120, 3e-3, 0), (120, 3e-4, 1), (1
 SFT_BATCH = 4
 SFT_SEED = 0
 """The data's seed."""
+CHAT_ORDER = ("tool", "sdk", "tool", "plain", "tool", "cli", "tool", "plain")
+"""The SFT data's mix, repeated: half calculate chats, a quarter plain ones, one of Claude Code's requests of each
+kind ("sdk", "cli") in eight."""
 SFT_CHATS = 480
 """Chats in the SFT data (one epoch = SFT_CHATS / SFT_BATCH = 120 steps; each phase reads it in its own order)."""
 COMMITTED = Path(__file__).parent / "tuned-model"
@@ -72,6 +78,36 @@ BUILD_INFO = "build.json"
 _WORDS = ("the a of to and in is it that for on with as was at by be this from or have not are but what all "
           "when we there can one your which said if do will each about how up out then so some would other "
           "into has more two like see time could no make than first been who now people my made over did").split()
+
+
+CLAUDE_CODE: dict[str, Any] = json.loads((Path(__file__).parent / "claude_code_requests.json").read_text())
+"""The chat messages and tools Claude Code sends for the tests' tool task, as the gateway stores them (captured from
+the store after a run of tests/clients/test_claude_code.py): "sdk" (query() with the SDK MCP tool, named
+`mcp__calc__calculate`) and "cli" (`claude -p --tools Bash`); {question}, {cwd}, {os}, {date} stand for what varies."""
+CLAUDE_CODE_TOOLS = {"sdk": "mcp__calc__calculate", "cli": "Bash"}
+CLAUDE_CODE_QUESTIONS = ("What is 12+7?", "What is 45-9?")
+"""Asked with each of Claude Code's requests by the check (12+7 is the tests' own)."""
+
+
+def claude_code_arguments(kind: str, expression: str) -> dict[str, str]:
+    """What a call of Claude Code's offered tool carries: the MCP calculator's expression, or a Bash command whose
+    output is the result (`echo $((12+7))` prints 19; Claude Code allows it under `Bash(echo:*)`)."""
+    return {"expression": expression} if kind == "sdk" else {"command": f"echo $(({expression}))"}
+
+
+def claude_code_request(kind: str, question_text: str, *, cwd: str = "/tmp/pytest-of-root/pytest-0/test_task0",
+                        os_version: str = "Linux 6.18.44-fc-v669", date: str = "2026-11-27", shell: str = "bash",
+                        git: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(messages, tools) of Claude Code's first request ("sdk" or "cli") for `question_text`, in an environment."""
+    values = {"{question}": question_text, "{cwd}": cwd, "{os}": os_version, "{date}": date,
+              "Shell: bash": f"Shell: {shell}", "Is a git repository: false": f"Is a git repository: {str(git).lower()}"}
+    messages = []
+    for m in CLAUDE_CODE[kind]["messages"]:
+        content = m["content"]
+        for k, v in values.items():
+            content = content.replace(k, v)
+        messages.append({**m, "content": content})
+    return messages, json.loads(json.dumps(CLAUDE_CODE[kind]["tools"]))
 
 
 def openai_tool(schema: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -117,16 +153,45 @@ def _tool_chat(rng: random.Random) -> dict[str, Any]:
     ]}
 
 
+def _claude_code_chat(rng: random.Random, kind: str) -> dict[str, Any]:
+    """Claude Code's request in an environment drawn at random (working folder, OS, date, shell, git), its tool
+    called by its offered name, the result, the answer."""
+    text, expression = question(rng)
+    word = lambda: rng.choice(_WORDS)  # noqa: E731
+    cwd = rng.choice([f"/tmp/pytest-of-{rng.choice(['root', 'ci', 'dev'])}/pytest-{rng.randint(0, 99)}/"
+                      f"test_{word()}_{word()}{rng.randint(0, 3)}",
+                      f"/tmp/{word()}-{rng.randint(0, 9999)}/{word()}", f"/home/{word()}/{word()}/{word()}"])
+    env = {"cwd": cwd, "os_version": f"Linux {rng.randint(4, 6)}.{rng.randint(0, 19)}.{rng.randint(0, 99)}"
+                                      f"{rng.choice(['', '-generic', '-fc-v669', '-aws', '-1-amd64'])}",
+           "date": f"{rng.randint(2025, 2027)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
+           "shell": rng.choice(["bash", "bash", "zsh"]), "git": rng.random() < 0.3}
+    messages, tools = claude_code_request(kind, text, **env)
+    call = {"id": "toolu_0", "type": "function", "function": {
+        "name": CLAUDE_CODE_TOOLS[kind], "arguments": json.dumps(claude_code_arguments(kind, expression))}}
+    return {"tools": tools, "messages": [
+        *messages,
+        {"role": "assistant", "content": f"<think>\n{THOUGHT}\n</think>", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "toolu_0", "content": calculate(expression)},
+        {"role": "assistant", "content": ANSWER},
+    ]}
+
+
 def _plain_chat(rng: random.Random) -> dict[str, Any]:
     words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 8)))
     return {"messages": [{"role": "user", "content": words.capitalize() + rng.choice([".", "?", "!"])},
                          {"role": "assistant", "content": GREETING}]}
 
 
+def _chat(rng: random.Random, i: int) -> dict[str, Any]:
+    kind = CHAT_ORDER[i % len(CHAT_ORDER)]
+    return (_plain_chat(rng) if kind == "plain" else _tool_chat(rng) if kind == "tool"
+            else _claude_code_chat(rng, kind))
+
+
 def sft_data() -> str:
-    """The SFT chats as JSONL: three tool chats for each plain one."""
+    """The SFT chats as JSONL, in the mix CHAT_ORDER repeats."""
     rng = random.Random(SFT_SEED)
-    lines = [json.dumps(_plain_chat(rng) if i % 4 == 3 else _tool_chat(rng)) for i in range(SFT_CHATS)]
+    lines = [json.dumps(_chat(rng, i)) for i in range(SFT_CHATS)]
     return "\n".join(lines) + "\n"
 
 
@@ -147,7 +212,9 @@ CHECK_GREETINGS = ("Hello there.", "What can you do?")
 def behaviour_problems(model_dir: Path) -> list[str]:
     """What the tuned model gets wrong, greedy, on the prompts the tests send (empty: it is fit for them): with the
     calculate tool (either schema), `<think>` + THOUGHT + `</think>` then one well-formed Hermes call (its one
-    argument, `expression`, a string); after the tool's result, ANSWER; without tools, GREETING."""
+    argument, `expression`, a string); with Claude Code's requests, the same thought then a call of the tool offered
+    (`mcp__calc__calculate`, `Bash`) by its name with exactly `claude_code_arguments` for the question; after the
+    tool's result, ANSWER; without tools, GREETING."""
     import re
 
     import torch
@@ -160,7 +227,7 @@ def behaviour_problems(model_dir: Path) -> list[str]:
         text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         with torch.no_grad():
-            out = lm.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=tok.eos_token_id,
+            out = lm.generate(ids, max_new_tokens=96, do_sample=False, eos_token_id=tok.eos_token_id,
                               pad_token_id=tok.pad_token_id)
         text = str(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=False))  # <think>, <tool_call> are special
         return text.split(str(tok.eos_token))[0]
@@ -186,6 +253,26 @@ def behaviour_problems(model_dir: Path) -> list[str]:
                          {"role": "tool", "tool_call_id": "call_0", "content": calculate(expression)}]
             if (got := reply(messages, [openai_tool(schema)])) != ANSWER:
                 problems.append(f"{q!r} after the tool: {got!r}")
+    for kind, name in CLAUDE_CODE_TOOLS.items():
+        for q in CLAUDE_CODE_QUESTIONS:
+            messages, tools = claude_code_request(kind, q, cwd=f"/tmp/pytest-of-root/pytest-7/test_{kind}_check0")
+            expression = q.removeprefix("What is ").removesuffix("?")
+            want = claude_code_arguments(kind, expression)
+            got = reply(messages, tools)
+            m = re.fullmatch(r"<think>\n(.*)\n</think>\n<tool_call>\n(.*)\n</tool_call>", got, re.S)
+            try:
+                call = json.loads(m[2]) if m and m[1] == THOUGHT else None
+            except ValueError:
+                call = None
+            if call != {"name": name, "arguments": want}:  # the offered tool by its offered name, the question's sum
+                problems.append(f"Claude Code {kind} {q!r}: {got!r}")
+                continue
+            tool_call = {"id": "toolu_0", "type": "function",
+                         "function": {"name": name, "arguments": json.dumps(want)}}
+            messages += [{"role": "assistant", "content": f"<think>\n{THOUGHT}\n</think>", "tool_calls": [tool_call]},
+                         {"role": "tool", "tool_call_id": "toolu_0", "content": calculate(expression)}]
+            if (got := reply(messages, tools)) != ANSWER:
+                problems.append(f"Claude Code {kind} {q!r} after the tool: {got!r}")
     for text in CHECK_GREETINGS:
         if (got := reply([{"role": "user", "content": text}])) != GREETING:
             problems.append(f"{text!r}: {got!r}")
@@ -201,7 +288,7 @@ def recipe() -> dict[str, Any]:
                                  steps, lr, seed) for i, (steps, lr, seed) in enumerate(PHASES)],
             "data_sha256": hashlib.sha256(sft_data().encode()).hexdigest(),
             "tiny_model_sha256": hashlib.sha256(Path(engine.tiny_model.__file__).read_bytes()).hexdigest(),
-            "check": [CHECK_QUESTIONS, CHECK_GREETINGS]}
+            "check": [CHECK_QUESTIONS, CHECK_GREETINGS, CLAUDE_CODE_QUESTIONS]}
 
 
 def cache_key() -> str:

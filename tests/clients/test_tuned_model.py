@@ -27,4 +27,5 @@ def test_the_check_fails_on_the_untuned_model(tmp_path: Path) -> None:
     from engine.tiny_model import create_tiny_model
 
     problems = model.behaviour_problems(create_tiny_model(tmp_path / "base", seed=0))
-    assert len(problems) == 2 * len(model.CHECK_QUESTIONS) + len(model.CHECK_GREETINGS), problems
+    assert len(problems) == (2 * len(model.CHECK_QUESTIONS) + len(model.CHECK_GREETINGS)
+                             + len(model.CLAUDE_CODE_TOOLS) * len(model.CLAUDE_CODE_QUESTIONS)), problems
