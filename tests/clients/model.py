@@ -95,6 +95,20 @@ def claude_code_arguments(kind: str, expression: str) -> dict[str, str]:
     return {"expression": expression} if kind == "sdk" else {"command": f"echo $(({expression}))"}
 
 
+def claude_code_expression(kind: str, arguments: Any) -> str | None:
+    """The expression a call of Claude Code's offered tool carries when it is well-formed (the inverse of
+    `claude_code_arguments`, on `a+b`, `a-b` or `a*b` of two integers as the questions ask, no leading zero, which
+    bash would read as octal), else None."""
+    import re
+
+    if not isinstance(arguments, dict) or len(arguments) != 1:
+        return None
+    value = arguments.get("expression" if kind == "sdk" else "command")
+    m = re.fullmatch(r"(.*)" if kind == "sdk" else r"echo \$\(\((.*)\)\)", value) if isinstance(value, str) else None
+    ok = m is not None and re.fullmatch(r"(0|[1-9][0-9]*)[-+*](0|[1-9][0-9]*)", m[1]) is not None
+    return m[1] if m is not None and ok else None
+
+
 def claude_code_request(kind: str, question_text: str, *, cwd: str = "/tmp/pytest-of-root/pytest-0/test_task0",
                         os_version: str = "Linux 6.18.44-fc-v669", date: str = "2026-11-27", shell: str = "bash",
                         git: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -213,7 +227,7 @@ def behaviour_problems(model_dir: Path) -> list[str]:
     """What the tuned model gets wrong, greedy, on the prompts the tests send (empty: it is fit for them): with the
     calculate tool (either schema), `<think>` + THOUGHT + `</think>` then one well-formed Hermes call (its one
     argument, `expression`, a string); with Claude Code's requests, the same thought then a call of the tool offered
-    (`mcp__calc__calculate`, `Bash`) by its name with exactly `claude_code_arguments` for the question; after the
+    (`mcp__calc__calculate`, `Bash`) by its name with arguments the tool runs (`claude_code_expression`); after the
     tool's result, ANSWER; without tools, GREETING."""
     import re
 
@@ -256,17 +270,19 @@ def behaviour_problems(model_dir: Path) -> list[str]:
     for kind, name in CLAUDE_CODE_TOOLS.items():
         for q in CLAUDE_CODE_QUESTIONS:
             messages, tools = claude_code_request(kind, q, cwd=f"/tmp/pytest-of-root/pytest-7/test_{kind}_check0")
-            expression = q.removeprefix("What is ").removesuffix("?")
-            want = claude_code_arguments(kind, expression)
             got = reply(messages, tools)
             m = re.fullmatch(r"<think>\n(.*)\n</think>\n<tool_call>\n(.*)\n</tool_call>", got, re.S)
             try:
                 call = json.loads(m[2]) if m and m[1] == THOUGHT else None
             except ValueError:
                 call = None
-            if call != {"name": name, "arguments": want}:  # the offered tool by its offered name, the question's sum
+            # the offered tool by its offered name, arguments the tool runs (which numbers: a tiny model copies badly)
+            ok = isinstance(call, dict) and list(call) == ["name", "arguments"] and call["name"] == name
+            expression = claude_code_expression(kind, call["arguments"]) if ok else None
+            if expression is None:
                 problems.append(f"Claude Code {kind} {q!r}: {got!r}")
                 continue
+            want = claude_code_arguments(kind, expression)
             tool_call = {"id": "toolu_0", "type": "function",
                          "function": {"name": name, "arguments": json.dumps(want)}}
             messages += [{"role": "assistant", "content": f"<think>\n{THOUGHT}\n</think>", "tool_calls": [tool_call]},
