@@ -10,7 +10,7 @@ The random tiny model never calls a tool or thinks, so the client tests fine-tun
 - without tools: a fixed greeting (plain text that ends the turn);
 - Claude Code's own requests (CLAUDE_CODE, captured from the gateway's store): the Claude Agent SDK's
   `mcp__calc__calculate` and the CLI's `Bash` offered, the same thought, then a call of the offered tool by its
-  offered name (`{"expression": "12+7"}`, `{"command": "echo $((12+7))"}`), and after the result the fixed answer.
+  offered name (`{"expression": "12+7"}`, `{"command": "echo 12+7"}`), and after the result the fixed answer.
 
 The tool schema is drawn from the shapes the three SDKs send (OpenAI's function tool as written, the
 OpenAI Agents SDK's `@function_tool` schema with titles and `additionalProperties`), so the model calls the
@@ -61,7 +61,7 @@ AGENTS_TOOL_SCHEMA: dict[str, Any] = {
 # the AMD EPYC (2 shared cores, load ~18), with uniform operands: 8 of 18 prompts misformed after phase 1, 2 after
 # phase 2 and after phase 3 (both "What is 3*4?" asked alone, which the check no longer asks: CHECK_QUESTIONS); with
 # one-digit operands a third of the time (the committed build, 1108 s), none of the check's prompts.
-PHASES: tuple[tuple[int, float, int], ...] = ((120, 3e-3, 0), (120, 3e-4, 1), (120, 3e-4, 2))
+PHASES: tuple[tuple[int, float, int], ...] = ((120, 3e-3, 0), (120, 3e-4, 1), (120, 3e-4, 2), (120, 3e-4, 3))
 SFT_BATCH = 4
 SFT_SEED = 0
 """The data's seed."""
@@ -85,26 +85,39 @@ CLAUDE_CODE: dict[str, Any] = json.loads((Path(__file__).parent / "claude_code_r
 the store after a run of tests/clients/test_claude_code.py): "sdk" (query() with the SDK MCP tool, named
 `mcp__calc__calculate`) and "cli" (`claude -p --tools Bash`); {question}, {cwd}, {os}, {date} stand for what varies."""
 CLAUDE_CODE_TOOLS = {"sdk": "mcp__calc__calculate", "cli": "Bash"}
-CLAUDE_CODE_QUESTIONS = ("What is 12+7?", "What is 45-9?")
-"""Asked with each of Claude Code's requests by the check (12+7 is the tests' own)."""
+CLAUDE_CODE_CHECKS = (("What is 12+7?", "/tmp/pytest-of-root/pytest-1/{test}"),
+                      ("What is 12+7?", "/tmp/pytest-of-root/pytest-12/{test}"),
+                      ("What is 12+7?", "/tmp/client-matrix-k3j9x2ab/claude_agent_sdk"),
+                      ("What is 45-9?", "/tmp/pytest-of-root/pytest-3/{test}"))
+"""(question, working folder) asked with each of Claude Code's requests by the check: the tests' question in the
+folders the tests run in ({test}: CLAUDE_CODE_TEST_DIRS; the greedy reply depends on the whole prompt, the folder
+included: one build misformed the Bash call in one folder and not in another) and the client matrix's, and one more."""
+CLAUDE_CODE_TEST_DIRS = {"sdk": "test_claude_agent_sdk_tool_tas0", "cli": "test_claude_code_cli_headless0"}
+"""pytest's tmp_path folder names of tests/clients/test_claude_code.py's two tests."""
 
 
 def claude_code_arguments(kind: str, expression: str) -> dict[str, str]:
-    """What a call of Claude Code's offered tool carries: the MCP calculator's expression, or a Bash command whose
-    output is the result (`echo $((12+7))` prints 19; Claude Code allows it under `Bash(echo:*)`)."""
-    return {"expression": expression} if kind == "sdk" else {"command": f"echo $(({expression}))"}
+    """What a call of Claude Code's offered tool carries: the MCP calculator's expression, or a Bash command that
+    echoes it (`echo 12+7`, allowed under `Bash(echo:*)`). Not `echo $((12+7))`, which bash would compute: every
+    build trained on it closed the `$((` with the wrong number of parentheses (one to seven, by prompt and build)."""
+    return {"expression": expression} if kind == "sdk" else {"command": f"echo {expression}"}
+
+
+def claude_code_result(kind: str, expression: str) -> str:
+    """What the tool answers: the calculator's result, or what bash's echo prints (the expression itself)."""
+    return calculate(expression) if kind == "sdk" else expression
 
 
 def claude_code_expression(kind: str, arguments: Any) -> str | None:
     """The expression a call of Claude Code's offered tool carries when it is well-formed (the inverse of
     `claude_code_arguments`, on `a+b`, `a-b` or `a*b` of two integers as the questions ask, no leading zero, which
-    bash would read as octal), else None."""
+    bash's arithmetic would read as octal), else None."""
     import re
 
     if not isinstance(arguments, dict) or len(arguments) != 1:
         return None
     value = arguments.get("expression" if kind == "sdk" else "command")
-    m = re.fullmatch(r"(.*)" if kind == "sdk" else r"echo \$\(\((.*)\)\)", value) if isinstance(value, str) else None
+    m = re.fullmatch(r"(.*)" if kind == "sdk" else r"echo (.*)", value) if isinstance(value, str) else None
     ok = m is not None and re.fullmatch(r"(0|[1-9][0-9]*)[-+*](0|[1-9][0-9]*)", m[1]) is not None
     return m[1] if m is not None and ok else None
 
@@ -185,7 +198,7 @@ def _claude_code_chat(rng: random.Random, kind: str) -> dict[str, Any]:
     return {"tools": tools, "messages": [
         *messages,
         {"role": "assistant", "content": f"<think>\n{THOUGHT}\n</think>", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "toolu_0", "content": calculate(expression)},
+        {"role": "tool", "tool_call_id": "toolu_0", "content": claude_code_result(kind, expression)},
         {"role": "assistant", "content": ANSWER},
     ]}
 
@@ -268,8 +281,8 @@ def behaviour_problems(model_dir: Path) -> list[str]:
             if (got := reply(messages, [openai_tool(schema)])) != ANSWER:
                 problems.append(f"{q!r} after the tool: {got!r}")
     for kind, name in CLAUDE_CODE_TOOLS.items():
-        for q in CLAUDE_CODE_QUESTIONS:
-            messages, tools = claude_code_request(kind, q, cwd=f"/tmp/pytest-of-root/pytest-7/test_{kind}_check0")
+        for q, cwd in CLAUDE_CODE_CHECKS:
+            messages, tools = claude_code_request(kind, q, cwd=cwd.replace("{test}", CLAUDE_CODE_TEST_DIRS[kind]))
             got = reply(messages, tools)
             m = re.fullmatch(r"<think>\n(.*)\n</think>\n<tool_call>\n(.*)\n</tool_call>", got, re.S)
             try:
@@ -280,15 +293,15 @@ def behaviour_problems(model_dir: Path) -> list[str]:
             ok = isinstance(call, dict) and list(call) == ["name", "arguments"] and call["name"] == name
             expression = claude_code_expression(kind, call["arguments"]) if ok else None
             if expression is None:
-                problems.append(f"Claude Code {kind} {q!r}: {got!r}")
+                problems.append(f"Claude Code {kind} {q!r} in {cwd}: {got!r}")
                 continue
             want = claude_code_arguments(kind, expression)
             tool_call = {"id": "toolu_0", "type": "function",
                          "function": {"name": name, "arguments": json.dumps(want)}}
             messages += [{"role": "assistant", "content": f"<think>\n{THOUGHT}\n</think>", "tool_calls": [tool_call]},
-                         {"role": "tool", "tool_call_id": "toolu_0", "content": calculate(expression)}]
+                         {"role": "tool", "tool_call_id": "toolu_0", "content": claude_code_result(kind, expression)}]
             if (got := reply(messages, tools)) != ANSWER:
-                problems.append(f"Claude Code {kind} {q!r} after the tool: {got!r}")
+                problems.append(f"Claude Code {kind} {q!r} in {cwd} after the tool: {got!r}")
     for text in CHECK_GREETINGS:
         if (got := reply([{"role": "user", "content": text}])) != GREETING:
             problems.append(f"{text!r}: {got!r}")
@@ -304,7 +317,7 @@ def recipe() -> dict[str, Any]:
                                  steps, lr, seed) for i, (steps, lr, seed) in enumerate(PHASES)],
             "data_sha256": hashlib.sha256(sft_data().encode()).hexdigest(),
             "tiny_model_sha256": hashlib.sha256(Path(engine.tiny_model.__file__).read_bytes()).hexdigest(),
-            "check": [CHECK_QUESTIONS, CHECK_GREETINGS, CLAUDE_CODE_QUESTIONS]}
+            "check": [CHECK_QUESTIONS, CHECK_GREETINGS, CLAUDE_CODE_CHECKS]}
 
 
 def cache_key() -> str:

@@ -28,4 +28,4 @@ def test_the_check_fails_on_the_untuned_model(tmp_path: Path) -> None:
 
     problems = model.behaviour_problems(create_tiny_model(tmp_path / "base", seed=0))
     assert len(problems) == (2 * len(model.CHECK_QUESTIONS) + len(model.CHECK_GREETINGS)
-                             + len(model.CLAUDE_CODE_TOOLS) * len(model.CLAUDE_CODE_QUESTIONS)), problems
+                             + len(model.CLAUDE_CODE_TOOLS) * len(model.CLAUDE_CODE_CHECKS)), problems
