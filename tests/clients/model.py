@@ -61,7 +61,14 @@ AGENTS_TOOL_SCHEMA: dict[str, Any] = {
 # the AMD EPYC (2 shared cores, load ~18), with uniform operands: 8 of 18 prompts misformed after phase 1, 2 after
 # phase 2 and after phase 3 (both "What is 3*4?" asked alone, which the check no longer asks: CHECK_QUESTIONS); with
 # one-digit operands a third of the time (the committed build, 1108 s), none of the check's prompts.
-PHASES: tuple[tuple[int, float, int], ...] = ((120, 3e-3, 0), (120, 3e-4, 1), (120, 3e-4, 2), (120, 3e-4, 3))
+# With Claude Code's requests (CHAT_ORDER; the CLI's is 3,156 tokens), a step took 3.7 to 8 s at load 4 to 11. Three
+# phases on data whose Bash calls were `echo $((a+b))` gave well-formed calls of `mcp__calc__calculate` but a Bash
+# command closed by 1, 3, 4 or 7 parentheses (by working folder and by phase); a fourth phase on `echo a+b` data,
+# from that export, is the committed build. (A rebuild from scratch on `echo` data alone is the simpler recipe;
+# it was not run, as the shared machine gave three phases ~45 minutes.)
+PHASES: tuple[tuple[int, float, int, str], ...] = (
+    (120, 3e-3, 0, "arith"), (120, 3e-4, 1, "arith"), (120, 3e-4, 2, "arith"), (120, 3e-4, 3, "echo"))
+"""(steps, lr, seed, the Bash calls' form in the phase's data: claude_code_arguments)."""
 SFT_BATCH = 4
 SFT_SEED = 0
 """The data's seed."""
@@ -96,30 +103,34 @@ CLAUDE_CODE_TEST_DIRS = {"sdk": "test_claude_agent_sdk_tool_tas0", "cli": "test_
 """pytest's tmp_path folder names of tests/clients/test_claude_code.py's two tests."""
 
 
-def claude_code_arguments(kind: str, expression: str) -> dict[str, str]:
+def claude_code_arguments(kind: str, expression: str, bash: str = "echo") -> dict[str, str]:
     """What a call of Claude Code's offered tool carries: the MCP calculator's expression, or a Bash command that
-    echoes it (`echo 12+7`, allowed under `Bash(echo:*)`). Not `echo $((12+7))`, which bash would compute: every
-    build trained on it closed the `$((` with the wrong number of parentheses (one to seven, by prompt and build)."""
-    return {"expression": expression} if kind == "sdk" else {"command": f"echo {expression}"}
+    echoes it (`echo 12+7`, allowed under `Bash(echo:*)`). `bash="arith"`: `echo $((12+7))`, which bash computes,
+    what the first phases taught (PHASES): no phase taught the model to close the `$((` with two parentheses (it
+    wrote one to seven, by prompt and build), so the last one teaches the echo."""
+    if kind == "sdk":
+        return {"expression": expression}
+    return {"command": f"echo $(({expression}))" if bash == "arith" else f"echo {expression}"}
 
 
-def claude_code_result(kind: str, expression: str) -> str:
-    """What the tool answers: the calculator's result, or what bash's echo prints (the expression itself)."""
-    return calculate(expression) if kind == "sdk" else expression
+def claude_code_result(kind: str, expression: str, bash: str = "echo") -> str:
+    """What the tool answers: the calculator's result, or what bash's echo prints."""
+    return calculate(expression) if kind == "sdk" or bash == "arith" else expression
 
 
 def claude_code_expression(kind: str, arguments: Any) -> str | None:
-    """The expression a call of Claude Code's offered tool carries when it is well-formed (the inverse of
-    `claude_code_arguments`, on `a+b`, `a-b` or `a*b` of two integers as the questions ask, no leading zero, which
-    bash's arithmetic would read as octal), else None."""
+    """The expression a call of Claude Code's offered tool carries when the tool runs it, else None: for the
+    calculator `a+b`, `a-b` or `a*b` of two integers (what it computes); for `echo`, integers joined by + - *
+    (echo prints any such text as it is; the model writes `echo 2+2+2` as well). No leading zero."""
     import re
 
     if not isinstance(arguments, dict) or len(arguments) != 1:
         return None
     value = arguments.get("expression" if kind == "sdk" else "command")
     m = re.fullmatch(r"(.*)" if kind == "sdk" else r"echo (.*)", value) if isinstance(value, str) else None
-    ok = m is not None and re.fullmatch(r"(0|[1-9][0-9]*)[-+*](0|[1-9][0-9]*)", m[1]) is not None
-    return m[1] if m is not None and ok else None
+    number = "(0|[1-9][0-9]*)"
+    shape = f"{number}[-+*]{number}" if kind == "sdk" else f"{number}([-+*]{number})+"
+    return m[1] if m is not None and re.fullmatch(shape, m[1]) else None
 
 
 def claude_code_request(kind: str, question_text: str, *, cwd: str = "/tmp/pytest-of-root/pytest-0/test_task0",
@@ -180,7 +191,7 @@ def _tool_chat(rng: random.Random) -> dict[str, Any]:
     ]}
 
 
-def _claude_code_chat(rng: random.Random, kind: str) -> dict[str, Any]:
+def _claude_code_chat(rng: random.Random, kind: str, bash: str) -> dict[str, Any]:
     """Claude Code's request in an environment drawn at random (working folder, OS, date, shell, git), its tool
     called by its offered name, the result, the answer."""
     text, expression = question(rng)
@@ -188,17 +199,17 @@ def _claude_code_chat(rng: random.Random, kind: str) -> dict[str, Any]:
     cwd = rng.choice([f"/tmp/pytest-of-{rng.choice(['root', 'ci', 'dev'])}/pytest-{rng.randint(0, 99)}/"
                       f"test_{word()}_{word()}{rng.randint(0, 3)}",
                       f"/tmp/{word()}-{rng.randint(0, 9999)}/{word()}", f"/home/{word()}/{word()}/{word()}"])
-    env = {"cwd": cwd, "os_version": f"Linux {rng.randint(4, 6)}.{rng.randint(0, 19)}.{rng.randint(0, 99)}"
+    env: dict[str, Any] = {"cwd": cwd, "os_version": f"Linux {rng.randint(4, 6)}.{rng.randint(0, 19)}.{rng.randint(0, 99)}"
                                       f"{rng.choice(['', '-generic', '-fc-v669', '-aws', '-1-amd64'])}",
            "date": f"{rng.randint(2025, 2027)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
            "shell": rng.choice(["bash", "bash", "zsh"]), "git": rng.random() < 0.3}
     messages, tools = claude_code_request(kind, text, **env)
     call = {"id": "toolu_0", "type": "function", "function": {
-        "name": CLAUDE_CODE_TOOLS[kind], "arguments": json.dumps(claude_code_arguments(kind, expression))}}
+        "name": CLAUDE_CODE_TOOLS[kind], "arguments": json.dumps(claude_code_arguments(kind, expression, bash))}}
     return {"tools": tools, "messages": [
         *messages,
         {"role": "assistant", "content": f"<think>\n{THOUGHT}\n</think>", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "toolu_0", "content": claude_code_result(kind, expression)},
+        {"role": "tool", "tool_call_id": "toolu_0", "content": claude_code_result(kind, expression, bash)},
         {"role": "assistant", "content": ANSWER},
     ]}
 
@@ -209,16 +220,16 @@ def _plain_chat(rng: random.Random) -> dict[str, Any]:
                          {"role": "assistant", "content": GREETING}]}
 
 
-def _chat(rng: random.Random, i: int) -> dict[str, Any]:
+def _chat(rng: random.Random, i: int, bash: str) -> dict[str, Any]:
     kind = CHAT_ORDER[i % len(CHAT_ORDER)]
     return (_plain_chat(rng) if kind == "plain" else _tool_chat(rng) if kind == "tool"
-            else _claude_code_chat(rng, kind))
+            else _claude_code_chat(rng, kind, bash))
 
 
-def sft_data() -> str:
-    """The SFT chats as JSONL, in the mix CHAT_ORDER repeats."""
+def sft_data(bash: str = "echo") -> str:
+    """The SFT chats as JSONL, in the mix CHAT_ORDER repeats; `bash`: the form of the Bash calls (claude_code_arguments)."""
     rng = random.Random(SFT_SEED)
-    lines = [json.dumps(_chat(rng, i)) for i in range(SFT_CHATS)]
+    lines = [json.dumps(_chat(rng, i, bash)) for i in range(SFT_CHATS)]
     return "\n".join(lines) + "\n"
 
 
@@ -291,15 +302,15 @@ def behaviour_problems(model_dir: Path) -> list[str]:
                 call = None
             # the offered tool by its offered name, arguments the tool runs (which numbers: a tiny model copies badly)
             ok = isinstance(call, dict) and list(call) == ["name", "arguments"] and call["name"] == name
-            expression = claude_code_expression(kind, call["arguments"]) if ok else None
-            if expression is None:
+            carried = claude_code_expression(kind, call["arguments"]) if ok and call is not None else None
+            if carried is None:
                 problems.append(f"Claude Code {kind} {q!r} in {cwd}: {got!r}")
                 continue
-            want = claude_code_arguments(kind, expression)
+            want = claude_code_arguments(kind, carried)
             tool_call = {"id": "toolu_0", "type": "function",
                          "function": {"name": name, "arguments": json.dumps(want)}}
             messages += [{"role": "assistant", "content": f"<think>\n{THOUGHT}\n</think>", "tool_calls": [tool_call]},
-                         {"role": "tool", "tool_call_id": "toolu_0", "content": claude_code_result(kind, expression)}]
+                         {"role": "tool", "tool_call_id": "toolu_0", "content": claude_code_result(kind, carried)}]
             if (got := reply(messages, tools)) != ANSWER:
                 problems.append(f"Claude Code {kind} {q!r} in {cwd} after the tool: {got!r}")
     for text in CHECK_GREETINGS:
@@ -313,9 +324,10 @@ def recipe() -> dict[str, Any]:
     data's and the tiny model's source hashes, the check's prompts."""
     import engine.tiny_model
 
-    return {"phases": [_sft_args(Path("BASE" if i == 0 else f"PHASE{i}"), Path(f"PHASE{i + 1}"), Path("DATA"),
-                                 steps, lr, seed) for i, (steps, lr, seed) in enumerate(PHASES)],
-            "data_sha256": hashlib.sha256(sft_data().encode()).hexdigest(),
+    return {"phases": [_sft_args(Path("BASE" if i == 0 else f"PHASE{i}"), Path(f"PHASE{i + 1}"), Path(f"DATA-{bash}"),
+                                 steps, lr, seed) for i, (steps, lr, seed, bash) in enumerate(PHASES)],
+            "data_sha256": {bash: hashlib.sha256(sft_data(bash).encode()).hexdigest()
+                            for bash in sorted({phase[3] for phase in PHASES})},
             "tiny_model_sha256": hashlib.sha256(Path(engine.tiny_model.__file__).read_bytes()).hexdigest(),
             "check": [CHECK_QUESTIONS, CHECK_GREETINGS, CLAUDE_CODE_CHECKS]}
 
@@ -341,13 +353,15 @@ def build(out: Path, log: Any = None) -> list[str]:
     t0 = time.monotonic()
     try:
         source = create_tiny_model(work / "base", seed=0)
-        data = work / "sft.jsonl"
-        data.write_text(sft_data())
+        data = {}
+        for bash in {phase[3] for phase in PHASES}:
+            data[bash] = work / f"sft-{bash}.jsonl"
+            data[bash].write_text(sft_data(bash))
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        for i, (steps, lr, seed) in enumerate(PHASES):
+        for i, (steps, lr, seed, bash) in enumerate(PHASES):
             run = work / f"phase{i + 1}"
             proc = subprocess.run(
-                [sys.executable, "-m", "rollway.cli", "train", *_sft_args(source, run, data, steps, lr, seed)],
+                [sys.executable, "-m", "rollway.cli", "train", *_sft_args(source, run, data[bash], steps, lr, seed)],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"SFT phase {i + 1} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")

@@ -2,8 +2,8 @@
 and the CLI itself (`claude -p`), each pointed at a session with ANTHROPIC_BASE_URL, on a tool task against the
 gateway on the CPU engine with the tuned tiny model (trained on the requests Claude Code sends: model.py). A whole
 tool round trip each: the model calls the offered tool by its offered name (the SDK's MCP tool
-`mcp__calc__calculate` with an expression, the CLI's `Bash` with `echo $((a+b))`), Claude Code runs it and sends its
-result back (what the tool computed: the calculator's, bash's output), and the model answers after it. Every call is answered 2xx and stored as exactly the engine's tokens. The SDK and its CLI live in a pinned venv (scripts/clients/claude_agent_sdk.py, made from PyPI
+`mcp__calc__calculate` with an expression, the CLI's `Bash` with `echo a+b`), Claude Code runs it and sends its
+result back (the calculator's result, what bash printed), and the model answers after it. Every call is answered 2xx and stored as exactly the engine's tokens. The SDK and its CLI live in a pinned venv (scripts/clients/claude_agent_sdk.py, made from PyPI
 on first use; the test is skipped where that cannot be made)."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _assert_round_trip(record: dict[str, Any], kind: str) -> str:
     [call] = first["reply"]["tool_calls"]
     expression = model.claude_code_expression(kind, json.loads(call["function"]["arguments"]))
     assert call["function"]["name"] == name and expression is not None, call
-    result = model.calculate(expression)  # what `echo $((a op b))` prints too
+    result = model.claude_code_result(kind, expression)  # the calculator's result, or what echo printed
     results = [m for m in second["request"]["messages"] if m["role"] == "tool"]
     assert results == [{"role": "tool", "tool_call_id": call["id"], "content": result}], results  # no is_error
     assert second["request"]["messages"][-1] == results[0]  # the answer comes right after the result
@@ -88,7 +88,7 @@ def test_claude_agent_sdk_tool_task(stack: Stack, driver: Any, tmp_path: Path) -
 
 def test_claude_code_cli_headless(stack: Stack, driver: Any, tmp_path: Path) -> None:
     """`claude -p` itself, with the Claude Code tools it ships (the system prompt cut to fit a 4k context): Bash,
-    allowed for `echo` only, runs the model's `echo $((a+b))` and sends what it printed back."""
+    allowed for `echo` only, runs the model's `echo a+b` and sends what it printed back."""
     s = stack.new_session()
     since = len(stack.proxy.generate_records(0))
     cli = driver.bundled_cli()
