@@ -13,9 +13,12 @@ engine` servers (CPU) behind `rollway serve`; the trainer's side runs here (worl
 - disk, no fsync: the same with the fsyncs skipped (a filesystem that acknowledges writes before they are durable)
 - process group:  `SyncPayload.gather` + `publish` (trainer/weight_sync.py): POST /v1/weights/sync/init and
                   /v1/weights/sync, one gloo group per server, buckets of --bucket-mb
-- tensor:         the same with `backend="tensor"` (trainer/tensor_sync.py): the buckets in shared memory, each
-                  server handed their names through `/update_weights_from_tensor` and copying from them (servers on
-                  this machine only); target: <= 0.5x the process group
+- tensor:         `backend="tensor"` (trainer/tensor_sync.py) as the trainer runs it with one rank on CPU: the
+                  parameters themselves moved into shared memory (once, on the first publish), each server handed
+                  their names through `/update_weights_from_tensor` (named tensors) and copying straight out of the
+                  trainer's memory, no gather copy (servers on this machine only); target: <= 0.5x the process group
+- tensor, copied: the same path with the weights first copied into shared-memory buckets (`flattened_bucket`), as it
+                  runs with several ranks, a dtype to cast to, or on a GPU
 
 bytes/s = the weights' bytes (what is broadcast, about the safetensors file) / seconds. Target: process group
 <= 0.5x disk. The median is of publishes after a warm-up one of each way (`--warmup`), as a training run publishes
@@ -54,6 +57,7 @@ from rollway.embedded import free_port, wait_healthy  # noqa: E402
 from rollway_common import paths  # noqa: E402
 from trainer import checkpoint  # noqa: E402
 from trainer.client import GatewayClient  # noqa: E402
+from trainer.tensor_sync import LiveWeights  # noqa: E402
 from trainer.weight_sync import SyncOptions, SyncPayload  # noqa: E402
 
 ADMIN = "rw-admin-bench-publish"
@@ -67,6 +71,8 @@ class Ctx:
     client: GatewayClient
     engines: list[str]
     bucket_bytes: int
+    live: LiveWeights
+    """The trainer's guard of the exposed weights: each "step" below waits on it, as the optimizer step does."""
 
 
 def _disk(fsync: bool) -> Callable[[Ctx, int], int]:
@@ -100,22 +106,28 @@ def _process_group(ctx: Ctx, version: int) -> int:
     return payload.nbytes
 
 
-def _tensor(ctx: Ctx, version: int) -> int:
-    opts = SyncOptions(backend="tensor", bucket_bytes=ctx.bucket_bytes, timeout=300)
-    t0 = time.perf_counter()
-    payload = SyncPayload.gather(ctx.model, ctx.source, opts)
-    t1 = time.perf_counter()
-    payload.publish(ctx.client, version, [], {})
-    print(f"    gather {t1 - t0:.3f} s, publish {payload.last['seconds']:.3f} s "
-          f"(gateway {payload.last['answer']['seconds']:.3f} s)", flush=True)
-    return payload.nbytes
+def _tensor(exposed: bool) -> Callable[[Ctx, int], int]:
+    def run(ctx: Ctx, version: int) -> int:
+        opts = SyncOptions(backend="tensor", bucket_bytes=ctx.bucket_bytes, timeout=300,
+                           live=ctx.live if exposed else None)
+        t0 = time.perf_counter()
+        payload = SyncPayload.gather(ctx.model, ctx.source, opts)
+        t1 = time.perf_counter()
+        assert (payload.live is not None) == exposed, "the weights were not exposed as they are"
+        payload.publish(ctx.client, version, [], {})
+        print(f"    gather {t1 - t0:.3f} s, publish {payload.last['seconds']:.3f} s "
+              f"(gateway {payload.last['answer']['seconds']:.3f} s)", flush=True)
+        return payload.nbytes
+
+    return run
 
 
 ROWS: dict[str, Callable[[Ctx, int], int]] = {
     "disk, fsync": _disk(True),
     "disk, no fsync": _disk(False),
     "process group (gloo)": _process_group,
-    "tensor (shared memory)": _tensor,
+    "tensor (shared memory)": _tensor(True),
+    "tensor, copied buckets": _tensor(False),
 }
 
 
@@ -175,12 +187,13 @@ def main(argv: list[str] | None = None) -> None:
 
         model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
         client = GatewayClient(f"http://127.0.0.1:{gw_port}", ADMIN, timeout=600)
-        ctx = Ctx(model, source, work / "out", client, engines, max(1, int(args.bucket_mb * (1 << 20))))
+        ctx = Ctx(model, source, work / "out", client, engines, max(1, int(args.bucket_mb * (1 << 20))), LiveWeights())
         results: dict[str, dict[str, float]] = {}
         version = 0
         for name in args.rows:  # each way in a block, as a run uses one: see the docstring
             for rep in range(-args.warmup, args.reps):
                 version += 1
+                ctx.live.before_step()  # as the optimizer step: the servers have read the exposed weights
                 with torch.no_grad():  # "a step": the weights change, so every publish carries new values
                     next(model.parameters()).add_(1e-3)
                 t0 = time.perf_counter()

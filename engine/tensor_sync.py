@@ -14,92 +14,29 @@ pickled tensor is a handle to the sender's memory (CUDA IPC on a GPU; on CPU a s
 reads entry 0 (as SGLang's rank r reads entry r), copies the tensors into the served model, and drops its mapping
 before it answers, so the sender may free or reuse the memory once the call returns.
 
-The payload is unpickled as SGLang's `SafeUnpickler` does it: only tensor, storage and dtype rebuilders and the two
-metadata classes are allowed; anything else is refused (a pickle is code otherwise).
+The payload is unpickled as SGLang's `SafeUnpickler` does it (rollway_common/tensor_payload.py): only tensor, storage
+and dtype rebuilders and SGLang's two metadata classes are allowed; anything else is refused (a pickle is code
+otherwise).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
-import io
 import logging
 import pickle
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.multiprocessing
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from engine.weight_sync import WeightSync, _load
+from rollway_common.tensor_payload import FlattenedTensorMetadata, LocalSerializedTensor, deserialize
 
 log = logging.getLogger(__name__)
 
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
-
-
-@dataclass
-class FlattenedTensorMetadata:
-    """SGLang's `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata` (unpickled into this class)."""
-
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
-
-
-@dataclass
-class LocalSerializedTensor:
-    """SGLang's `LocalSerializedTensor`: one serialized tensor per TP rank (`values[rank]`)."""
-
-    values: list[bytes]
-
-
-_TORCH_REBUILDERS = {
-    ("torch._utils", n) for n in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
-                                  "_rebuild_parameter_with_state", "_rebuild_meta_tensor_no_storage",
-                                  "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_cpu_tensor")
-} | {
-    ("torch.multiprocessing.reductions", n) for n in (
-        "rebuild_tensor", "rebuild_meta_tensor", "rebuild_cuda_tensor", "rebuild_storage_fd",
-        "rebuild_storage_filename", "rebuild_storage_empty", "rebuild_typed_storage", "rebuild_typed_storage_child")
-} | {
-    ("torch._tensor", "_rebuild_from_type_v2"), ("torch.storage", "UntypedStorage"),
-    ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"), ("torch", "Tensor"), ("torch", "Size"),
-    ("torch", "device"), ("torch.nn.parameter", "Parameter"), ("collections", "OrderedDict"),
-    ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"), ("copyreg", "__newobj__"),
-    ("copyreg", "_reconstructor"), ("builtins", "object"),
-}
-_SGLANG_CLASSES: dict[tuple[str, str], type] = {
-    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
-    ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"):
-        LocalSerializedTensor,
-    ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
-}
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SGLANG_CLASSES:
-            return _SGLANG_CLASSES[(module, name)]
-        if (module, name) in _TORCH_REBUILDERS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module in ("torch", "torch.cuda") and name.endswith("Storage"):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"blocked global {module}.{name} in a serialized tensor payload")
-
-
-def deserialize(data: str | bytes) -> Any:
-    """SGLang's `MultiprocessingSerializer.deserialize`: base64 text (HTTP) or raw bytes."""
-    raw = base64.b64decode(data, validate=True) if isinstance(data, str) else bytes(data)
-    return _Unpickler(io.BytesIO(raw)).load()
 
 
 def named_tensors(payload: Any, load_format: str | None) -> list[tuple[str, torch.Tensor]]:

@@ -22,7 +22,8 @@ version recorded and no batch acked. The next publish includes them too.
 
 **The tensor path** (`backend: "tensor"`, trainer/tensor_sync.py): a trainer on the servers' machine sends, instead
 of ports, one `/update_weights_from_tensor` payload per bucket and TP rank for each backend (`tensors`; SGLang's
-serialized handles to the trainer's shared memory or CUDA IPC memory, a few hundred bytes each). The same steps
+serialized handles to the trainer's shared memory or CUDA IPC memory, a few hundred bytes each; `load_format` says
+whether they are flattened buckets or named tensors, and is passed on to the servers as it is). The same steps
 without a group: mark, begin, one `/update_weights_from_tensor` per bucket (the version on the last), end. Such
 handles open only on the machine that made them, so init refuses (400) a trainer whose `host_id` (its kernel's
 boot id) is not this gateway's, and a backend whose URL is not an address of this host.
@@ -142,6 +143,8 @@ class Plan:
     """The current version again, to the backends that lack it only: nothing recorded, the others untouched."""
     tensors: dict[str, list[list[str]]] = field(default_factory=dict, repr=False)
     """The tensor path: per group, per bucket, one serialized payload per TP rank."""
+    load_format: str | None = "flattened_bucket"
+    """The tensor path: what the payloads are (SGLang's `load_format`: flattened buckets, or None: named tensors)."""
 
 
 class ProcessGroupSync:
@@ -234,7 +237,8 @@ class ProcessGroupSync:
 
     async def sync(self, sync_id: str, version: int, ports: dict[str, int], buckets: list[dict[str, Any]],
                    batch_ids: list[str], results: dict[str, str],
-                   tensors: dict[str, list[list[str]]] | None = None) -> dict[str, Any]:
+                   tensors: dict[str, list[list[str]]] | None = None,
+                   load_format: str | None = "flattened_bucket") -> dict[str, Any]:
         plan = self.plan
         if plan is None or plan.sync_id != sync_id or plan.released:
             raise Conflict(f"no pending weight sync {sync_id} (expired, or another one started)", param="sync_id")
@@ -252,6 +256,7 @@ class ProcessGroupSync:
                                          f"each of the {len(buckets)} buckets", param="tensors")
                 ports = {t.group_name: 0 for t in plan.targets}
                 plan.tensors = tensors
+                plan.load_format = load_format
             missing = [t.group_name for t in plan.targets if t.group_name not in ports]
             if missing:
                 raise BadRequest(f"no port for groups {missing}", param="ports")
@@ -373,7 +378,7 @@ class ProcessGroupSync:
             t.stage = "buckets"
             for i, entries in enumerate(payloads):
                 last = i == len(payloads) - 1
-                body: dict[str, Any] = {"serialized_named_tensors": entries, "load_format": "flattened_bucket",
+                body: dict[str, Any] = {"serialized_named_tensors": entries, "load_format": plan.load_format,
                                         "flush_cache": last, "abort_all_requests": False}
                 if last:
                     body["weight_version"] = str(plan.version)

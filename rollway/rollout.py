@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import random
+import secrets
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -179,16 +180,17 @@ class Runner:
         self._next_pool = (self._next_pool + 1) % len(self._agent_pools)
         return self._next_pool
 
-    async def _post(self, path: str, body: dict[str, Any], pool: int = 0) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], pool: int = 0,
+                    headers: dict[str, str] | None = None) -> dict[str, Any]:
         failures = 0
         while True:
             try:
-                r = await self._admin_pools[pool].post(path, json=body)
+                r = await self._admin_pools[pool].post(path, json=body, headers=headers)
             except httpx.TransportError as e:
-                # A dropped connection: reward/finish/abandon are idempotent, retry them a few times. A group
-                # creation is not (a retry could leave an orphan group), so it fails at once.
+                # A dropped connection: reward/finish/abandon are idempotent, and a group creation carries an
+                # Idempotency-Key (a retry gets the group the first try created, if it did): retry a few times.
                 failures += 1
-                if failures > 5 or path == "/v1/groups":
+                if failures > 5:
                     raise RuntimeError(f"POST {path}: gateway unreachable ({e!r})") from e
                 await asyncio.sleep(0.5 * failures)
                 continue
@@ -210,7 +212,7 @@ class Runner:
             body["sampling"] = sampling
         if metadata:
             body["metadata"] = metadata
-        group = await self._post("/v1/groups", body)
+        group = await self._post("/v1/groups", body, headers={"Idempotency-Key": secrets.token_hex(16)})
         pool = self._pool_index()
         outcomes = await asyncio.gather(*(self._run_session(task, s) for s in group["sessions"]),
                                         return_exceptions=True)

@@ -53,13 +53,7 @@ CI_SET = ("claude_agent_sdk", "openai_python", "openai_js")
 """Run by `--ci` (and so by .ci/run): the Claude Agent SDK and one framework per language."""
 PINS: dict[str, list[str]] = {"claude_agent_sdk": ["claude-agent-sdk==0.2.189"]}
 """Requirements for a driver that does not state its own."""
-NOT_RUN: dict[str, tuple[str, str]] = {
-    "crewai": ("CrewAI", "python"),
-    "llamaindex": ("LlamaIndex (ReAct agent)", "python"),
-    "autogen": ("AutoGen (AgentChat)", "python"),
-    "mini_swe_agent": ("mini-swe-agent", "python"),
-    "claude_agent_sdk": ("Claude Agent SDK", "python"),
-}
+NOT_RUN: dict[str, tuple[str, str]] = {}
 """Frameworks of the matrix that have no driver yet: a row saying so (a driver of the same name replaces it)."""
 BEGIN, END = "<!-- client-matrix:begin -->", "<!-- client-matrix:end -->"
 RUNNER = """
@@ -259,20 +253,20 @@ def run_driver(meta: dict[str, Any], url: str, key: str, workdir: Path, timeout:
         detail = "a stored turn lacks its completion ids or logprobs. " + detail
     if isinstance(said.get("calls"), int) and said["calls"] and said["calls"] != got["calls"]:
         detail += f" (the driver counted {said['calls']} calls)"
-    if got["chain_reasons"]:
-        detail += f" (new chains: {', '.join(got['chain_reasons'])})"
-    return {**row, "ok": ok, "calls": got["calls"], "chains": got["chains"], "version": said.get("version", "?"),
-            "detail": detail.strip(), "seconds": round(time.monotonic() - t0, 1)}
+    return {**row, "ok": ok, "calls": got["calls"], "chains": got["chains"], "chain_reasons": got["chain_reasons"],
+            "version": said.get("version", "?"), "detail": detail.strip(), "seconds": round(time.monotonic() - t0, 1)}
 
 
 def chain_meaning(row: dict[str, Any]) -> str:
+    """The chains the gateway stored, with the reasons the later ones started (docs/architecture.md)."""
     if not row.get("calls"):
         return ""
+    why = f" (new chains: {', '.join(row['chain_reasons'])})" if row.get("chain_reasons") else ""
     if row["chains"] <= 1:
         return "one chain: the session is one sample, every call's tokens in it"
     if row["chains"] >= row["calls"]:
-        return "a new chain every call: each step is its own sample (prompt rebuilt), so credit is per step"
-    return f"{row['chains']} chains in {row['calls']} calls: a sample per chain"
+        return f"a new chain every call{why}: each call is its own sample, all sharing the session's reward"
+    return f"{row['chains']} chains in {row['calls']} calls{why}: a sample per chain"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -320,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"- {name}", file=sys.stderr, flush=True)
             row = run_driver(drivers[name], url, key, Path(tmp), args.timeout, sys.stderr)
             print(f"  {'ok' if row['ok'] else 'FAILED'}: {row['calls']} calls, {row['chains']} chains, "
-                  f"{row['seconds']} s; {row['detail'][:300]}", file=sys.stderr, flush=True)
+                  f"{row['seconds']} s; {chain_meaning(row)}; {row['detail'][:300]}", file=sys.stderr, flush=True)
             rows.append(row)
     seconds = time.monotonic() - t0
     all_rows = rows + [{"name": n, "label": label, "language": lang, "not_run": True}

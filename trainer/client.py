@@ -326,13 +326,16 @@ class GatewayClient:
 
     def sync(self, sync_id: str, version: int, ports: dict[str, int], buckets: list[dict[str, Any]],
              batch_ids: list[str], results: dict[str, str], timeout: float,
-             tensors: dict[str, list[list[str]]] | None = None) -> dict[str, Any]:
+             tensors: dict[str, list[list[str]]] | None = None,
+             load_format: str | None = "flattened_bucket") -> dict[str, Any]:
         """`POST /v1/weights/sync`: answered once every backend received the buckets (or failed), the version is
-        published and the batches acked; the caller broadcasts meanwhile."""
+        published and the batches acked; the caller broadcasts meanwhile. The tensor path: `load_format` None when
+        the entries are named tensors rather than flattened buckets."""
         body: dict[str, Any] = {"sync_id": sync_id, "version": version, "ports": ports, "buckets": buckets,
                                 "batch_ids": batch_ids, "results": results}
         if tensors:  # the tensor path: per group, per bucket, one payload per TP rank
             body["tensors"] = tensors
+            body["load_format"] = load_format
         return dict(self._request("POST", "/v1/weights/sync", json=body, timeout=max(self.timeout, timeout)).json())
 
     def memory(self, action: str, tags: list[str] | None) -> dict[str, Any]:

@@ -7,82 +7,48 @@ through SGLang's `POST /update_weights_from_tensor`, no bytes sent (docs/scaling
                            POST /v1/weights/sync {buckets, tensors}   the gateway pauses, marks, begins, one
                            /update_weights_from_tensor per bucket on each backend, ends, continues, records
 
-Each payload is SGLang 0.5.23's own format, as its `Engine.update_weights_from_tensor` callers (verl, slime) build
-it for `load_format="flattened_bucket"`: base64 of a `ForkingPickler` dump of
-`{"flattened_tensor": <the bucket's bytes, uint8>, "metadata": [FlattenedTensorMetadata(name, shape, dtype,
-start_idx, end_idx, numel), ...]}` (`srt/weight_sync/tensor_bucket.py`), one entry per TP rank of the server (each
-rank opens its own, so CUDA IPC reference counts stay right). A pickled tensor is a handle: a CUDA IPC handle on a
-GPU, and on CPU the name of a shared-memory file (torch's `file_system` sharing strategy; the default
-`file_descriptor` one passes descriptors over a socket, which a server reading HTTP cannot receive). The server
-drops its mapping before it answers; the trainer's buckets are the publish's reused buffers (two sets, as for the
-process-group path), freed with the process.
+Each payload is SGLang 0.5.23's own format (rollway_common/tensor_payload.py), one entry per TP rank of the server
+(each rank opens its own, so CUDA IPC reference counts stay right), in one of two shapes:
 
-sglang need not be installed: the metadata class is written under SGLang's name
-(`sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`), which SGLang's `SafeUnpickler` allows.
+- **the weights themselves** (one trainer rank whose parameters are already what a server loads: on CPU, in the
+  checkpoint's dtype): `load_format` unset, a list of `(name, tensor)` pairs whose tensors are the model's own
+  parameters, moved into shared memory once (`share_memory_()`, in place). No gather copy: each server copies
+  straight out of the trainer's memory. `LiveWeights` keeps the next optimizer step from changing them until every
+  server has read them (the publish's paused begin/end session ends first).
+- **buckets** (otherwise: several ranks, a dtype to cast to, a GPU): as SGLang's `Engine.update_weights_from_tensor`
+  callers (verl, slime) build it for `load_format="flattened_bucket"`, `{"flattened_tensor": <the bucket's bytes,
+  uint8>, "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel), ...]}`
+  (`srt/weight_sync/tensor_bucket.py`), the gathered weights copied into the publish's reused buffers (two sets, as
+  for the process-group path), freed with the process.
+
+A pickled tensor is a handle: a CUDA IPC handle on a GPU, and on CPU the name of a shared-memory file (torch's
+`file_system` sharing strategy). The server drops its mapping before it answers.
 """
 
 from __future__ import annotations
 
-import base64
-import io
-import pickle
-from dataclasses import dataclass
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+import torch.distributed as dist
 
-SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+from rollway_common.tensor_payload import FlattenedTensorMetadata, serialize, share_cpu_tensors
 
+log = logging.getLogger("trainer")
 
-@dataclass
-class FlattenedTensorMetadata:
-    """Pickled as SGLang's class of this name (the same fields, in its order)."""
-
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
-
-
-_PyPickler: Any = pickle._Pickler
-
-
-class _Pickler(_PyPickler):
-    """ForkingPickler's reductions (tensors and storages as handles), with `FlattenedTensorMetadata` written under
-    SGLang's module name (the pure-Python pickler, whose `save_global` can be told so)."""
-
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=4)
-        table = ForkingPickler._copyreg_dispatch_table.copy()  # type: ignore[attr-defined]
-        table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
-        self.dispatch_table = table
-
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        if obj is FlattenedTensorMetadata:
-            module, qualname = SGLANG_METADATA
-            self.save(module)
-            self.save(qualname)
-            self.write(pickle.STACK_GLOBAL)
-            self.memoize(obj)
-            return
-        super().save_global(obj, name)
-
-
-def share_cpu_tensors() -> None:
-    """CPU tensors pickle as shared-memory file names (see the module docstring); process-wide."""
-    if mp.get_sharing_strategy() != "file_system":
-        mp.set_sharing_strategy("file_system")
+__all__ = ["LiveWeights", "exposable", "host_id", "payloads", "serialize_bucket", "serialize_named", "share_cpu_tensors"]
 
 
 def serialize_bucket(flat: torch.Tensor, names: list[str], shapes: list[list[int]]) -> str:
-    """One TP rank's `/update_weights_from_tensor` entry for a bucket (one dtype, `flat` its tensors back to back):
-    SGLang's `MultiprocessingSerializer.serialize({...}, output_str=True)`."""
+    """One TP rank's `/update_weights_from_tensor` entry for a bucket (one dtype, `flat` its tensors back to back),
+    `load_format="flattened_bucket"`: SGLang's `MultiprocessingSerializer.serialize({...}, output_str=True)`."""
     raw = flat.reshape(-1).view(torch.uint8)
     itemsize = flat.element_size()
     metadata, offset = [], 0
@@ -94,9 +60,21 @@ def serialize_bucket(flat: torch.Tensor, names: list[str], shapes: list[list[int
         share_cpu_tensors()
         if not raw.is_shared():
             raw.share_memory_()
-    buf = io.BytesIO()
-    _Pickler(buf).dump({"flattened_tensor": raw, "metadata": metadata})
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return serialize({"flattened_tensor": raw, "metadata": metadata})
+
+
+def serialize_named(names: list[str], tensors: list[torch.Tensor]) -> str:
+    """One TP rank's entry for tensors handed as they are (`load_format` unset): a list of `(name, tensor)` pairs,
+    each a handle to its own memory (the model's parameters themselves, `LiveWeights`). CPU tensors are moved into
+    shared memory the first time (in place: the model's parameters then live there)."""
+    pairs = []
+    for name, t in zip(names, tensors, strict=True):
+        if t.device.type == "cpu":
+            share_cpu_tensors()
+            if not t.is_shared():
+                t.share_memory_()
+        pairs.append((name, t.detach()))
+    return serialize(pairs)
 
 
 @cache
@@ -109,7 +87,87 @@ def host_id() -> str:
 
 
 def payloads(buckets: list[Any], groups: list[dict[str, Any]]) -> dict[str, list[list[str]]]:
-    """Per group (backend): per bucket, one entry per TP rank (the group's world size less the trainer)."""
-    return {str(g["group_name"]): [[serialize_bucket(b.flat, b.names, b.shapes)
-                                    for _ in range(max(1, int(g["world_size"]) - 1))] for b in buckets]
+    """Per group (backend): per bucket, one entry per TP rank (the group's world size less the trainer). A bucket with
+    `views` (the model's own tensors, `LiveWeights`) is sent as named tensors, else as a flattened bucket."""
+    def entry(b: Any) -> str:
+        return serialize_named(b.names, b.views) if b.views is not None else serialize_bucket(b.flat, b.names, b.shapes)
+
+    return {str(g["group_name"]): [[entry(b) for _ in range(max(1, int(g["world_size"]) - 1))] for b in buckets]
             for g in groups}
+
+
+def exposable(state: dict[str, torch.Tensor], dtype: torch.dtype, device: str | None) -> bool:
+    """Whether the state dict's tensors can be handed to the servers as they are: one trainer rank (so they are the
+    model's own parameters, not a gathered copy), on CPU (`device` None: shared memory), already in the dtype the
+    servers load, dense plain tensors."""
+    if device is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+               and t.layout == torch.strided for t in state.values())
+
+
+class LiveWeights:
+    """The model's parameters handed to the servers as they are, without a gather copy (one trainer rank, the
+    tensor path): the servers copy straight out of the trainer's memory. They must do so before the optimizer
+    changes it, so the optimizer's step waits (`before_step`, a step pre-hook) until every reader is done: the
+    publish of the last gather (counted from `expose`, on the training thread, so no step can slip in before the
+    publish thread starts) and any catch-up (`hold`). Each step bumps `generation`: a catch-up of a payload
+    gathered before it sends nothing (the weights are no longer that version; the next publish reaches those
+    servers), as with the reused buffers of the copying path.
+
+    The forward and backward of the next step still overlap the publish; only the optimizer step waits."""
+
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = timeout
+        """How long a step waits for the readers before it raises; None: as long as they take (each publish and
+        catch-up ends within its own HTTP limits), saying so every minute."""
+        self.generation = 0
+        self.readers = 0
+        self.exposed = 0
+        """Gathers that handed the weights out."""
+        self.waited_s = 0.0
+        """The optimizer steps' total wait for readers (tests, benchmarks)."""
+        self._cond = threading.Condition()
+
+    def expose(self) -> int:
+        """A gather handing out the weights: one reader (its publish, which calls `done`). Returns the generation."""
+        with self._cond:
+            if not self.exposed:
+                log.info("--weight-sync tensor: the parameters are handed to the servers as they are (one rank, "
+                         "no gather copy); each optimizer step waits until the servers have read them")
+            self.exposed += 1
+            self.readers += 1
+            return self.generation
+
+    def done(self) -> None:
+        with self._cond:
+            self.readers -= 1
+            self._cond.notify_all()
+
+    @contextmanager
+    def hold(self, generation: int) -> Iterator[bool]:
+        """A catch-up reading the weights of `generation`: yields False (and holds nothing) when a step changed them
+        since."""
+        with self._cond:
+            current = generation == self.generation
+            if current:
+                self.readers += 1
+        try:
+            yield current
+        finally:
+            if current:
+                self.done()
+
+    def before_step(self, *args: Any) -> None:
+        """`optimizer.register_step_pre_hook(live.before_step)`: wait for the readers, then the weights change."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while not self._cond.wait_for(lambda: self.readers == 0, 60.0 if self.timeout is None else self.timeout):
+                if self.timeout is not None:
+                    raise RuntimeError(f"the servers did not finish reading the published weights in "
+                                       f"{self.timeout:.0f} s (--weight-sync tensor); the optimizer step would change "
+                                       "them under the reads")
+                log.warning("the optimizer step waits for the servers to finish reading the published weights "
+                            "(%.0f s so far)", time.perf_counter() - t0)
+            self.generation += 1
+        self.waited_s += time.perf_counter() - t0

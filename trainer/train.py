@@ -47,6 +47,7 @@ from trainer.metrics import MetricsSink
 from trainer.pipeline import GatewayPipeline
 from trainer.plot import plot_rewards
 from trainer.step import make_optimizer, rl_step
+from trainer.tensor_sync import LiveWeights
 from trainer.tracking import tracking_for
 from trainer.weight_sync import CatchUp, SyncPayload, sync_options
 
@@ -245,6 +246,11 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
         ref_source = cfg.ref_model or cfg.model or source  # not the latest published weights after a restart
         ref_model = load_sharded_model(ref_source, info, trainable=False) if cfg.kl_coef > 0 else None
         optimizer = make_optimizer(model, cfg)
+        # --weight-sync tensor, one rank: the servers may read the parameters themselves (no gather copy); each
+        # optimizer step first waits until they have (trainer/tensor_sync.py LiveWeights)
+        live = LiveWeights() if cfg.weight_sync == "tensor" and info.world_size == 1 else None
+        if live is not None:
+            optimizer.register_step_pre_hook(live.before_step)
         step, version = 0, gw_version
         ckpt = latest_checkpoint(out / "checkpoints")
         if ckpt is not None:
@@ -323,7 +329,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
             if cfg.lora_rank:  # only the adapter is published (trainer/lora.py)
                 path = export_adapter(model, cfg, source, out / "adapters" / f"v{version:06d}")
             elif cfg.weight_sync in ("distributed", "tensor"):  # gathered on rank 0, sent by the publish thread
-                path = SyncPayload.gather(model, source, sync_options(cfg, out, catch_up))
+                path = SyncPayload.gather(model, source, sync_options(cfg, out, catch_up, live))
             else:
                 path = export_hf(model, source, out / "weights" / f"v{version:06d}")
             t3 = time.perf_counter()

@@ -24,7 +24,8 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -39,7 +40,7 @@ from rollway_common.process_group import init_custom_process_group
 from rollway_common.procs import free_port
 from trainer.checkpoint import TOKENIZER_FILES, _fsync_dir, _fsync_tree, full_state_dict, save_dtype
 from trainer.client import GatewayClient, GatewayHTTPError
-from trainer.tensor_sync import host_id, payloads, share_cpu_tensors
+from trainer.tensor_sync import LiveWeights, exposable, host_id, payloads, share_cpu_tensors
 
 log = logging.getLogger("trainer")
 
@@ -64,13 +65,29 @@ class Bucket:
     names: list[str]
     shapes: list[list[int]]
     dtype: torch.dtype
-    flat: torch.Tensor
+    flat: torch.Tensor | None
+    """The tensors back to back (a publish buffer); None when `views` holds them."""
+    views: list[torch.Tensor] | None = None
+    """The tensor path with the weights exposed (`LiveWeights`): the model's own tensors, no copy."""
+
+    @property
+    def nbytes(self) -> int:
+        parts = self.views if self.views is not None else [self.flat] if self.flat is not None else []
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    @property
+    def is_cuda(self) -> bool:
+        parts = self.views if self.views is not None else [self.flat] if self.flat is not None else []
+        return any(t.is_cuda for t in parts)
 
     def manifest(self) -> dict[str, Any]:
         dtype = str(self.dtype).removeprefix("torch.")
         return {"names": self.names, "dtypes": [dtype] * len(self.names), "shapes": self.shapes}
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        if self.views is not None:
+            return dict(zip(self.names, self.views, strict=True))
+        assert self.flat is not None
         numels = [int(torch.Size(s).numel()) for s in self.shapes]
         return {n: p.view(s) for n, p, s in zip(self.names, self.flat.split(numels), self.shapes, strict=True)}
 
@@ -111,6 +128,7 @@ class Sender:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             for b in self.buckets:
+                assert b.flat is not None  # process groups always send buckets
                 flat = wire_bytes(b.flat)
                 flat = flat.cuda() if self.backend == "nccl" else flat
                 pg.broadcast([flat], opts).wait()
@@ -146,6 +164,10 @@ class SyncOptions:
     """Tests and benchmarks: called by the publish thread with each bucket count sent to every group."""
     catch_up: CatchUp | None = None
     """Told of each version published over process groups, to send it again to backends that lack it."""
+    live: LiveWeights | None = None
+    """The tensor path with one trainer rank: where the weights can be handed out as they are (CPU, in the
+    checkpoint's dtype), the payload is the model's own parameters, no gather copy; the optimizer step waits on this
+    for the servers' reads (trainer/tensor_sync.py)."""
 
     def resolved_backend(self) -> str:
         if self.backend == "auto":
@@ -153,14 +175,15 @@ class SyncOptions:
         return self.backend
 
 
-def sync_options(cfg: Any, out: Path, catch_up: CatchUp | None = None) -> SyncOptions:
+def sync_options(cfg: Any, out: Path, catch_up: CatchUp | None = None, live: LiveWeights | None = None) -> SyncOptions:
     """From the trainer's config (`weight_sync_*`); the disk fallback writes under `out/weights`."""
     tensor = cfg.weight_sync == "tensor"
     device = "cuda" if tensor and torch.cuda.is_available() else None
     return SyncOptions(address=cfg.weight_sync_address, backend="tensor" if tensor else cfg.weight_sync_backend,
                        device=device,
                        bucket_bytes=max(1, int(cfg.weight_sync_bucket_mb * (1 << 20))),
-                       timeout=cfg.weight_sync_timeout, fallback_dir=out / "weights", catch_up=catch_up)
+                       timeout=cfg.weight_sync_timeout, fallback_dir=out / "weights", catch_up=catch_up,
+                       live=live if tensor else None)
 
 
 class BufferSet:
@@ -205,14 +228,18 @@ class SyncPayload:
     model's config, and the folder the tokenizer files come from (for the disk fallback)."""
 
     def __init__(self, buckets: list[Bucket], config: Any, source: str | Path, options: SyncOptions,
-                 buffers: BufferSet | None = None) -> None:
+                 buffers: BufferSet | None = None, live: LiveWeights | None = None, generation: int = 0) -> None:
         self.buckets = buckets
         self.buffers = buffers
-        self.generation = buffers.generation if buffers is not None else 0
+        self.live = live
+        """Set when the buckets are the model's own tensors (`LiveWeights.expose` was called for this payload)."""
+        self.generation = buffers.generation if buffers is not None else generation
         self.config = config
         self.source = Path(source)
         self.options = options
-        self.nbytes = sum(b.flat.numel() * b.flat.element_size() for b in buckets)
+        self.nbytes = sum(b.nbytes for b in buckets)
+        self.load_format: str | None = "flattened_bucket"
+        """What the servers are told the tensor path's entries are: None for named tensors (`views`)."""
         self.last: dict[str, Any] = {}
         """The last publish: the gateway's answer, seconds, and per group what was sent (tests, benchmarks)."""
 
@@ -228,9 +255,17 @@ class SyncPayload:
             if getattr(config, "tie_word_embeddings", False):
                 state.pop("lm_head.weight", None)
             dtype = save_dtype(config)
-            state = {k: v.to(dtype) for k, v in state.items()}
-            layout = plan_buckets(state, options.bucket_bytes)
             tensor = options.resolved_backend() == "tensor"
+            live = options.live if tensor else None
+            exposed = live is not None and exposable(state, dtype, options.device)
+            state = state if exposed else {k: v.to(dtype) for k, v in state.items()}
+            layout = plan_buckets(state, options.bucket_bytes)
+            if exposed and live is not None:  # the weights as they are: no copy (the servers read the parameters)
+                buckets = [Bucket(names, [list(state[n].shape) for n in names], dtype, None, [state[n] for n in names])
+                           for names in layout]
+                payload = cls(buckets, config, source, options, live=live, generation=live.expose())
+                payload.load_format = None
+                return payload
             buffers = _buffers(layout, state, options.device if tensor else None, shared=tensor)
             with buffers.lock:  # waits for a catch-up sending the payload these buffers held
                 buffers.generation += 1
@@ -248,6 +283,29 @@ class SyncPayload:
 
     def publish(self, client: GatewayClient, version: int, batch_ids: list[str], results: dict[str, str]) -> int:
         """Publish over process groups; on a 503 (no backend took them) write the HF folder and publish that."""
+        try:
+            return self._publish(client, version, batch_ids, results)
+        finally:
+            if self.live is not None and not self._done:  # the servers have read the weights: the step may go on
+                self._done = True
+                self.live.done()
+
+    _done = False
+
+    @contextmanager
+    def reading(self) -> Iterator[bool]:
+        """Held while a catch-up sends this payload again: yields whether its tensors still hold the version it was
+        gathered at (a later gather into the same buffers, or an optimizer step on exposed weights, changed them)."""
+        if self.live is not None:
+            with self.live.hold(self.generation) as current:
+                yield current
+        elif self.buffers is None:
+            yield False
+        else:
+            with self.buffers.lock:  # a gather into these buffers waits for the catch-up
+                yield self.buffers.generation == self.generation
+
+    def _publish(self, client: GatewayClient, version: int, batch_ids: list[str], results: dict[str, str]) -> int:
         try:
             published = self._publish_distributed(client, version, batch_ids, results)
             if self.options.catch_up is not None:
@@ -286,11 +344,11 @@ class SyncPayload:
         backend = opts.resolved_backend()
         groups = plan["groups"]
         if backend == "tensor":  # no group: each backend opens the buckets' memory itself
-            if any(b.flat.is_cuda for b in self.buckets):
+            if any(b.is_cuda for b in self.buckets):
                 torch.cuda.synchronize()  # the gather's copies are done before another process reads them
             answer = client.sync(plan["sync_id"], version, {}, [b.manifest() for b in self.buckets], batch_ids,
                                  results, timeout=opts.timeout * (2 + len(self.buckets)),
-                                 tensors=payloads(self.buckets, groups))
+                                 tensors=payloads(self.buckets, groups), load_format=self.load_format)
             self.last = {"answer": answer, "seconds": time.perf_counter() - t0, "groups": {}}
             return answer
         senders = [Sender(g, opts.address, free_port(), backend, opts.timeout, self.buckets).start() for g in groups]
@@ -359,12 +417,9 @@ class CatchUp:
         payload, version = last
         if not status.get("awaiting_backends") or int(status.get("version", -1)) != version:
             return 0  # none waits, or a newer version is out: its own payload serves it
-        buffers = payload.buffers
-        if buffers is None:
-            return 0
-        with buffers.lock:
-            if buffers.generation != payload.generation:
-                return 0  # a later gather took these buffers: that version's publish reaches the backends
+        with payload.reading() as current:
+            if not current:
+                return 0  # the tensors changed since (a later gather, a step): that version's publish reaches them
             try:
                 answer = payload.catch_up(self.client, version)
             except GatewayHTTPError as e:

@@ -21,6 +21,7 @@ from gateway.protocol import (
 from gateway.records import session_record
 from gateway.routes.common import json_response, read_body
 from gateway.services import services, serving
+from gateway.store.idempotency import check_key
 from gateway.store.store import Store
 
 router = APIRouter()
@@ -38,12 +39,16 @@ async def create_group(request: Request) -> Response:
     admission = None if body.eval else serving(request).admission  # eval: outside the budget
     sampling = (body.sampling or SamplingPolicy()).model_dump()
     store: Store = services(request).store
+    key = request.headers.get("idempotency-key")
+    ids = None if key is None else await store.keyed_ids(check_key(key), body.n_samples)
     deadline = time.monotonic() + body.wait_seconds
     while True:
+        if ids is not None and await store.created_before(ids[0], body.task, body.n_samples, body.eval):
+            return _created(request, *ids, replayed=True)  # a retry: the first one's answer again
         try:
             async with admission.admit() if admission is not None else contextlib.nullcontext():
                 gid, creds = await store.create_group(
-                    body.task, body.n_samples, sampling=sampling, metadata=body.metadata, is_eval=body.eval
+                    body.task, body.n_samples, sampling=sampling, metadata=body.metadata, is_eval=body.eval, ids=ids
                 )
             if admission is not None and body.wait_seconds:
                 serving(request).budget.notify_one()  # there may be room for the next waiting one too
@@ -53,8 +58,17 @@ async def create_group(request: Request) -> Response:
                 serving(request).metrics.admission_refused.inc()
                 raise
             await serving(request).budget.wait(deadline - time.monotonic())
+        except Exception:
+            # a keyed creation racing its own retry: the other one's insert won, answer as it did
+            if ids is not None and await store.created_before(ids[0], body.task, body.n_samples, body.eval):
+                return _created(request, *ids, replayed=True)
+            raise
+    return _created(request, gid, creds)
+
+
+def _created(request: Request, gid: str, creds: list[tuple[str, str]], replayed: bool = False) -> Response:
     base = public_base(request)
-    return json_response({
+    response = json_response({
         "group_id": gid,
         "sessions": [
             {"session_id": sid, "api_key": key, "base_url": f"{base}/v1",
@@ -64,6 +78,9 @@ async def create_group(request: Request) -> Response:
             for sid, key in creds
         ],
     }, status=201)
+    if replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return response
 
 
 @router.get("/v1/groups/{group_id}")

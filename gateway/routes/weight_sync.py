@@ -53,6 +53,9 @@ class SyncBody(Strict):
     buckets: list[Manifest] = Field(min_length=1, max_length=100_000)
     tensors: dict[str, list[list[str]]] = Field(default_factory=dict)
     """The tensor path: group_name -> per bucket, one `/update_weights_from_tensor` payload per TP rank."""
+    load_format: Literal["flattened_bucket"] | None = "flattened_bucket"
+    """The tensor path: the servers' `load_format` for those payloads (SGLang's): `flattened_bucket` (each a bucket's
+    bytes and their metadata), or null (each a list of named tensors, loaded by the model's `load_weights`)."""
     batch_ids: list[str] = Field(default_factory=list)
     results: dict[str, str] = Field(default_factory=dict)
 
@@ -75,7 +78,7 @@ async def sync(request: Request) -> Response:
             raise BadRequest("each bucket needs as many dtypes and shapes as names", param="buckets")
     out = await serving(request).weight_sync.sync(body.sync_id, body.version, body.ports,
                                                   [b.model_dump() for b in body.buckets], body.batch_ids, body.results,
-                                                  body.tensors)
+                                                  body.tensors, body.load_format)
     if not out.get("catch_up"):
         serving(request).budget.notify_one()  # a new version widens the staleness budget
     return json_response(out)

@@ -24,6 +24,7 @@ from typing import Any, cast
 from sqlalchemy import Table, and_, func, select, update
 
 from gateway.errors import BadRequest, Conflict, NotFound
+from gateway.store import idempotency
 from gateway.store.db import DbConnection, DbEngine, InLoopEngine
 from gateway.store.direct import (
     GROUP_COLUMNS,
@@ -107,6 +108,7 @@ class Store(ViewerStore):
         self._write_lock = asyncio.Lock() if engine.dialect.name == "sqlite" else None
         self.direct: Direct | None = None
         """The per-call statements straight to the driver; set by `open`."""
+        self._idempotency_secret = idempotency.Secret(engine)
         self.on_group_end: Callable[[str], None] | None = None
         """Called with "complete" or "dropped" once a commit moved a group there (by a session's reward, end or
         idle timeout): the gateway wakes the long-polls waiting for that (gateway/changes.py)."""
@@ -145,11 +147,16 @@ class Store(ViewerStore):
         sampling: dict[str, Any],
         metadata: dict[str, Any] | None = None,
         is_eval: bool = False,
+        ids: tuple[str, list[tuple[str, str]]] | None = None,
     ) -> tuple[str, list[tuple[str, str]]]:
-        """A group and its sessions; returns (group_id, [(session_id, api_key)])."""
+        """A group and its sessions; returns (group_id, [(session_id, api_key)]). `ids`: those to use (`keyed_ids`)
+        rather than new random ones; a group already there with that id makes the insert fail."""
         now = time.time()
-        gid = new_id("grp_")
-        creds = [(new_id("sess_"), "rw-" + secrets.token_urlsafe(32)) for _ in range(n_samples)]
+        if ids is not None:
+            gid, creds = ids
+        else:
+            gid = new_id("grp_")
+            creds = [(new_id("sess_"), "rw-" + secrets.token_urlsafe(32)) for _ in range(n_samples)]
         if self.direct is not None:
             group = row_params(dict(id=gid, task=task, n_samples=n_samples, state="open", is_eval=is_eval,
                                     sampling=sampling, metadata=metadata, created_at=now), GROUP_COLUMNS)
@@ -174,6 +181,22 @@ class Store(ViewerStore):
                 ],
             )
         return gid, creds
+
+    async def keyed_ids(self, key: str, n_samples: int) -> tuple[str, list[tuple[str, str]]]:
+        """The ids and API keys of the group an idempotency key names (`idempotency.derive`)."""
+        return idempotency.derive(await self._idempotency_secret.get(self.begin), key, n_samples)
+
+    async def created_before(self, group_id: str, task: Any, n_samples: int, is_eval: bool) -> bool:
+        """Whether the group a keyed creation names is already there (then the creation is a retry and answers
+        as the first did); Conflict if it is there but was created with another task, size or kind."""
+        async with self.engine.connect() as conn:
+            g = (await conn.execute(select(G.c.task, G.c.n_samples, G.c.is_eval).where(G.c.id == group_id))).first()
+        if g is None:
+            return False
+        if g.task != task or g.n_samples != n_samples or bool(g.is_eval) != is_eval:
+            raise Conflict("this Idempotency-Key already created a group with another task, n_samples or eval",
+                           param="Idempotency-Key")
+        return True
 
     async def session_auth(self, *, key: str | None = None, session_id: str | None = None) -> SessionAuth | None:
         column, value = ("key_hash", hash_key(key)) if key is not None else ("id", session_id)

@@ -23,7 +23,6 @@ import sqlalchemy as sa
 from alembic import op
 
 from gateway.store.requests import delta, expand, is_delta
-from gateway.store.store import T
 
 revision = '0006'
 down_revision = '0005'
@@ -37,6 +36,10 @@ PROGRESS = {"upgrade": "request_deltas_after", "downgrade": "request_deltas_undo
 
 settings = sa.table("settings", sa.column("key", sa.String), sa.column("value", sa.JSON))
 sessions = sa.table("sessions", sa.column("id", sa.String))
+T = sa.table("turns", sa.column("id", sa.String), sa.column("session_id", sa.String), sa.column("seq", sa.Integer),
+             sa.column("parent_id", sa.String), sa.column("request", sa.JSON), sa.column("reply", sa.JSON))
+"""The columns of `turns` this revision reads and writes, as they are at revision 0006 (not the live model's table,
+which later revisions may change)."""
 
 
 class _Row:

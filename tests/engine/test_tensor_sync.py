@@ -21,7 +21,7 @@ import torch
 from engine.server import create_app
 from tests.engine.conftest import LiveServer
 from tests.engine.test_weight_sync import buckets_of, trained_state
-from trainer.tensor_sync import serialize_bucket
+from trainer.tensor_sync import serialize_bucket, serialize_named
 
 CTX = multiprocessing.get_context("spawn")
 
@@ -31,6 +31,12 @@ def _trainer(model_dir: str, shift: float, nbytes: int, out: Any, done: Any) -> 
     buckets = buckets_of(state, nbytes)
     out.put([serialize_bucket(b.flat, b.names, b.shapes) for b in buckets])
     done.wait(120)  # the buckets' shared memory lives as long as this process
+
+
+def _trainer_named(model_dir: str, shift: float, nbytes: int, out: Any, done: Any) -> None:
+    state = trained_state(Path(model_dir), shift)
+    out.put([serialize_named(b.names, [state[n] for n in b.names]) for b in buckets_of(state, nbytes)])
+    done.wait(120)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +50,10 @@ def post(url: str, path: str, body: Any) -> httpx.Response:
     return httpx.post(url + path, json=body, timeout=60)
 
 
-def payloads(model_dir: Path, shift: float, nbytes: int) -> tuple[list[str], Any, Any]:
+def payloads(model_dir: Path, shift: float, nbytes: int, named: bool = False) -> tuple[list[str], Any, Any]:
     out, done = CTX.Queue(), CTX.Event()
-    proc = CTX.Process(target=_trainer, args=(str(model_dir), shift, nbytes, out, done), daemon=True)
+    proc = CTX.Process(target=_trainer_named if named else _trainer, args=(str(model_dir), shift, nbytes, out, done),
+                       daemon=True)
     proc.start()
     return out.get(timeout=120), proc, done
 
@@ -76,6 +83,33 @@ def test_buckets_from_another_process_land_in_the_model(served: tuple[LiveServer
     for name, t in want.items():
         assert torch.equal(got[name], t), name
     assert httpx.get(server.url + "/get_weight_version").json() == {"weight_version": "7"}
+
+
+def test_named_tensors_from_another_process_land_in_the_model(served: tuple[LiveServer, Any],
+                                                              tiny_model_dir: Path) -> None:
+    """`load_format` unset: each entry a list of (name, tensor) pairs, each tensor its own shared memory (what the
+    trainer sends when it hands out its parameters as they are)."""
+    server, engine = served
+    entries, proc, done = payloads(tiny_model_dir, -0.125, 40_000, named=True)
+    try:
+        assert len(entries) > 1
+        assert post(server.url, "/begin_weight_update", {}).json()["success"]
+        for i, entry in enumerate(entries):
+            body: dict[str, Any] = {"serialized_named_tensors": [entry], "load_format": None,
+                                    "flush_cache": i == len(entries) - 1, "abort_all_requests": False}
+            if i == len(entries) - 1:
+                body["weight_version"] = "8"
+            r = post(server.url, "/update_weights_from_tensor", body)
+            assert r.status_code == 200 and r.json()["success"], r.text
+        assert post(server.url, "/end_weight_update", {}).json()["success"]
+    finally:
+        done.set()
+        proc.join(30)
+    want = trained_state(tiny_model_dir, -0.125)
+    got = engine.scheduler.model.state_dict()
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    assert httpx.get(server.url + "/get_weight_version").json() == {"weight_version": "8"}
 
 
 def test_refusals(served: tuple[LiveServer, Any]) -> None:

@@ -83,8 +83,8 @@ def test_a_group_keeps_the_rewards_of_its_sessions_that_ran(gateway: LiveGateway
 
         real_post = runner._post
 
-        async def post(path: str, body: dict[str, Any], pool: int = 0) -> dict[str, Any]:
-            out = await real_post(path, body, pool)
+        async def post(path: str, body: dict[str, Any], pool: int = 0, **kw: Any) -> dict[str, Any]:
+            out = await real_post(path, body, pool, **kw)
             if path == "/v1/groups" and body["task"].get("swept"):
                 swept_cred.append(out["sessions"][0])
             return out

@@ -162,3 +162,33 @@ def test_edited_history_starts_a_new_chain(setup: dict[str, Any]) -> None:
     client.chat.completions.create(model="m", messages=edited, max_tokens=5)
     turns = gw.session(cred["session_id"])["turns"]
     assert turns[1]["continuity"] == "new-chain" and turns[1]["chain_reason"] == "edited_message"
+
+
+def test_reflection_without_tools_starts_a_new_chain(setup: dict[str, Any]) -> None:
+    """AutoGen AgentChat's `reflect_on_tool_use`: after the tool's result the reflection call sends the same
+    conversation with no tools (and so no tool_choice). The prompt the model sees loses the tool definitions, so
+    the call cannot extend the tool call's chain: a new chain, reason `different_tools`, rendered whole without
+    tools, its completion the engine's ids."""
+    s = setup
+    gw, fake = s["gw"], s["fake"]
+    cred = gw.group(2)["sessions"][0]
+    client = gw.openai(cred)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "Use the tool."},
+                                      {"role": "user", "content": "What is 37+48?"}]
+    e1 = emit(s, s["call"], s["call_end"])
+    fake.script([e1])
+    call = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=80)
+    tc = call.choices[0].message.tool_calls[0]
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": tc.id, "type": "function", "function": {"name": "calculate",
+                                                                    "arguments": tc.function.arguments}}]},
+                 {"role": "tool", "tool_call_id": tc.id, "content": "85"}]
+    e2 = emit(s, "85", s["text_end"])
+    fake.script([e2])
+    reflection = client.chat.completions.create(model="m", messages=messages, max_tokens=80)
+    assert reflection.choices[0].message.content == "85"
+    turns = gw.session(cred["session_id"])["turns"]
+    assert [(t["parent_id"], t["chain_reason"]) for t in turns] == [(None, "first_turn"), (None, "different_tools")]
+    template = app_serving(gw.app).template
+    assert turns[1]["prompt_ids"] == render_ids(template, messages, None)
+    assert turns[1]["completion_ids"] == e2
