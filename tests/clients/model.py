@@ -1,7 +1,7 @@
 """The shared tuned model: the tiny demo model, fine-tuned briefly to speak like an agent's model.
 
 The random tiny model never calls a tool or thinks, so the client tests fine-tune it once (`rollway train
---mode sft`) on three behaviours, each short and fixed so that a few steps teach it:
+--mode sft`) on four behaviours, each short and fixed so that a few steps teach it:
 
 - with the calculate tool: `<think>` + a fixed thought + `</think>`, then a Hermes `<tool_call>` whose
   expression is copied from the question (the reasoning block gives the thinking tests something to split);
@@ -65,7 +65,11 @@ AGENTS_TOOL_SCHEMA: dict[str, Any] = {
 # phases on data whose Bash calls were `echo $((a+b))` gave well-formed calls of `mcp__calc__calculate` but a Bash
 # command closed by 1, 3, 4 or 7 parentheses (by working folder and by phase); a fourth phase on `echo a+b` data,
 # from that export, is the committed build. (A rebuild from scratch on `echo` data alone is the simpler recipe;
-# it was not run, as the shared machine gave three phases ~45 minutes.)
+# it was not run, as the shared machine gave three phases ~45 minutes.) Not in behaviour_problems, and worse in
+# this build than in the one before it: a call forced by a grammar right after the generation prompt (no thought,
+# tests/clients/test_openai_forced_tools.py `required`, test_anthropic.py `any`, on "Good morning to you."): the
+# model writes "calculate tool gave the answer." into the expression and does not close it within 128 tokens (the
+# previous build wrote "calculate", closed); two more phase-4 variants (lr 3e-4 seed 4, lr 1e-3) did the same.
 PHASES: tuple[tuple[int, float, int, str], ...] = (
     (120, 3e-3, 0, "arith"), (120, 3e-4, 1, "arith"), (120, 3e-4, 2, "arith"), (120, 3e-4, 3, "echo"))
 """(steps, lr, seed, the Bash calls' form in the phase's data: claude_code_arguments)."""
