@@ -79,6 +79,8 @@ SFT_SEED = 0
 CHAT_ORDER = ("tool", "sdk", "tool", "plain", "tool", "cli", "tool", "plain")
 """The SFT data's mix, repeated: half calculate chats, a quarter plain ones, one of Claude Code's requests of each
 kind ("sdk", "cli") in eight."""
+FORCED_CHAT_ORDER = ("tool", "sdk", "forced", "plain", "tool", "cli", "forced", "plain")
+"""The last phase's mix: two of CHAT_ORDER's calculate chats in eight are forced calls (_forced_chat)."""
 SFT_CHATS = 480
 """Chats in the SFT data (one epoch = SFT_CHATS / SFT_BATCH = 120 steps; each phase reads it in its own order)."""
 COMMITTED = Path(__file__).parent / "tuned-model"
@@ -224,14 +226,31 @@ def _plain_chat(rng: random.Random) -> dict[str, Any]:
                          {"role": "assistant", "content": GREETING}]}
 
 
+def _forced_chat(rng: random.Random) -> dict[str, Any]:
+    """A call a grammar forced right after the generation prompt (tool_choice "required"; CHECK_FORCED): a
+    greeting-like message with the calculate tool, and the call without a thought, its expression a short one,
+    closed. Only on messages that are not questions: a question's trained reply starts with the thought."""
+    words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 8)))
+    _, expression = question(rng)
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": TOOL_NAME, "arguments": json.dumps({"expression": expression})}}
+    return {"tools": [openai_tool(rng.choice([TOOL_SCHEMA, AGENTS_TOOL_SCHEMA]))], "messages": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": words.capitalize() + rng.choice([".", "?", "!"])},
+        {"role": "assistant", "content": "", "tool_calls": [call]}]}
+
+
 def _chat(rng: random.Random, i: int, bash: str) -> dict[str, Any]:
-    kind = CHAT_ORDER[i % len(CHAT_ORDER)]
+    order = FORCED_CHAT_ORDER if bash == "forced" else CHAT_ORDER
+    kind = order[i % len(order)]
     return (_plain_chat(rng) if kind == "plain" else _tool_chat(rng) if kind == "tool"
-            else _claude_code_chat(rng, kind, bash))
+            else _forced_chat(rng) if kind == "forced"
+            else _claude_code_chat(rng, kind, "arith" if bash == "arith" else "echo"))
 
 
 def sft_data(bash: str = "echo") -> str:
-    """The SFT chats as JSONL, in the mix CHAT_ORDER repeats; `bash`: the form of the Bash calls (claude_code_arguments)."""
+    """The SFT chats as JSONL, in the mix CHAT_ORDER repeats; `bash`: the form of the Bash calls
+    (claude_code_arguments), "forced": `echo` in the mix FORCED_CHAT_ORDER repeats."""
     rng = random.Random(SFT_SEED)
     lines = [json.dumps(_chat(rng, i, bash)) for i in range(SFT_CHATS)]
     return "\n".join(lines) + "\n"
@@ -249,6 +268,46 @@ CHECK_QUESTIONS = ("What is 12+7?", "What is 45-9?", "What is 8*23?", "What is 6
 alone, it was the one prompt that three builds on an AMD EPYC misformed (`<think>` twice), with uniform operands and
 with one-digit ones a third of the time."""
 CHECK_GREETINGS = ("Hello there.", "What can you do?")
+CHECK_FORCED = ("Good morning to you.", "What is 12+7?")
+"""Asked with the calculate tool forced by the gateway's grammar (`tool_choice` "required", Anthropic's "any": a
+Hermes call right after the generation prompt, no thought; tests/clients/test_openai_forced_tools.py,
+test_anthropic.py): the tests' greeting, which the model was never taught to answer with a call, and the question."""
+FORCED_MAX_TOKENS = 128
+"""Those tests' max_tokens: the forced call must be closed within it."""
+
+
+def forced_reply(lm: Any, tok: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                 max_new_tokens: int = FORCED_MAX_TOKENS) -> tuple[str, bool]:
+    """(the reply, whether the grammar ended) of a greedy decode under the grammar the gateway sends for one forced
+    call of any of `tools` in Hermes (gateway/tool_grammar.py), compiled and applied as the CPU engine does
+    (engine/grammar.py): what the forced-tool tests get from the tuned model."""
+    import torch
+
+    from engine.grammar import GrammarCompiler, GrammarRows, accept, new_matcher
+    from gateway.tool_grammar import ForcedTools, structural_tag
+
+    compiled = GrammarCompiler(tok, lm.config.vocab_size).compile(
+        ("structural_tag", structural_tag("hermes", tools, ForcedTools(None, parallel=False))))
+    matcher = new_matcher(compiled, [])
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    out: list[int] = []
+    past, step, ended = None, ids, False
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            r = lm(input_ids=step, past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            logits = GrammarRows([matcher]).mask(r.logits[:, -1, :].float().clone())
+            token = int(logits[0].argmax())
+            done = accept(matcher, token)
+            if done is None:
+                break
+            if done:
+                ended = True
+                break
+            out.append(token)
+            step = torch.tensor([[token]])
+    return str(tok.decode(out, skip_special_tokens=False)), ended
 
 
 def behaviour_problems(model_dir: Path) -> list[str]:
@@ -320,6 +379,11 @@ def behaviour_problems(model_dir: Path) -> list[str]:
     for text in CHECK_GREETINGS:
         if (got := reply([{"role": "user", "content": text}])) != GREETING:
             problems.append(f"{text!r}: {got!r}")
+    for text in CHECK_FORCED:
+        got, ended = forced_reply(lm, tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+                                  [openai_tool()])
+        if not ended:  # the grammar holds the call's form; not closed within the tests' max_tokens is what fails
+            problems.append(f"forced call on {text!r}: not closed in {FORCED_MAX_TOKENS} tokens: {got!r}")
     return problems
 
 
@@ -333,7 +397,7 @@ def recipe() -> dict[str, Any]:
             "data_sha256": {bash: hashlib.sha256(sft_data(bash).encode()).hexdigest()
                             for bash in sorted({phase[3] for phase in PHASES})},
             "tiny_model_sha256": hashlib.sha256(Path(engine.tiny_model.__file__).read_bytes()).hexdigest(),
-            "check": [CHECK_QUESTIONS, CHECK_GREETINGS, CLAUDE_CODE_CHECKS]}
+            "check": [CHECK_QUESTIONS, CHECK_GREETINGS, CLAUDE_CODE_CHECKS, CHECK_FORCED]}
 
 
 def cache_key() -> str:
