@@ -65,14 +65,21 @@ AGENTS_TOOL_SCHEMA: dict[str, Any] = {
 # phases on data whose Bash calls were `echo $((a+b))` gave well-formed calls of `mcp__calc__calculate` but a Bash
 # command closed by 1, 3, 4 or 7 parentheses (by working folder and by phase); a fourth phase on `echo a+b` data,
 # from that export, is the committed build. (A rebuild from scratch on `echo` data alone is the simpler recipe;
-# it was not run, as the shared machine gave three phases ~45 minutes.) Not in behaviour_problems, and worse in
-# this build than in the one before it: a call forced by a grammar right after the generation prompt (no thought,
-# tests/clients/test_openai_forced_tools.py `required`, test_anthropic.py `any`, on "Good morning to you."): the
-# model writes "calculate tool gave the answer." into the expression and does not close it within 128 tokens (the
-# previous build wrote "calculate", closed); two more phase-4 variants (lr 3e-4 seed 4, lr 1e-3) did the same.
+# it was not run, as the shared machine gave three phases ~45 minutes.) That build did worse than the one before it
+# on a call forced by a grammar right after the generation prompt (no thought; tests/clients/test_openai_forced_tools.py
+# `required`, test_anthropic.py `any`, on "Good morning to you."): it wrote "calculate tool gave the answer." into the
+# expression and did not close it within 128 tokens (the build before wrote ", ", closed; two more phase-4 variants,
+# lr 3e-4 seed 4 and lr 1e-3, did the same). behaviour_problems now asks for that call (CHECK_FORCED, forced_reply),
+# and two phases on "forced" data (FORCED_CHAT_ORDER: two calculate chats in eight are forced calls on greetings) from
+# the phase-4 export are the committed build. Measured (same machine, load 2 to 4, from the phase-4 export): 60 steps
+# at lr 3e-4 closed the forced calls (seed 4: every slow client test and the client matrix's CI set passed), but with
+# seed 4 and with seed 5 the check found the CLI's Bash call in the client matrix's folder cut to `echo 6` (`echo 9`);
+# 40 steps at lr 1e-3 misformed five Claude Code calls; 60 steps at lr 1e-4 did not close the forced call (and
+# misformed two); 60 steps at 3e-4 (seed 4) then 40 at 1e-4 (seed 5) gave no problem.
 PHASES: tuple[tuple[int, float, int, str], ...] = (
-    (120, 3e-3, 0, "arith"), (120, 3e-4, 1, "arith"), (120, 3e-4, 2, "arith"), (120, 3e-4, 3, "echo"))
-"""(steps, lr, seed, the Bash calls' form in the phase's data: claude_code_arguments)."""
+    (120, 3e-3, 0, "arith"), (120, 3e-4, 1, "arith"), (120, 3e-4, 2, "arith"), (120, 3e-4, 3, "echo"),
+    (60, 3e-4, 4, "forced"), (40, 1e-4, 5, "forced"))
+"""(steps, lr, seed, the phase's data: the Bash calls' form, claude_code_arguments, or "forced": sft_data)."""
 SFT_BATCH = 4
 SFT_SEED = 0
 """The data's seed."""
