@@ -24,9 +24,11 @@ class Procs:
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None,
+              code: Path = ROOT) -> subprocess.Popen[bytes]:
+        """Run `cmd` from the checkout `code` (its working directory and PYTHONPATH; default this one)."""
         with open(self.logdir / f"{name}.log", "ab") as log:  # the child holds its own copy of the fd
-            proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+            proc = subprocess.Popen(cmd, cwd=code, env={**os.environ, "PYTHONPATH": str(code), **(env or {})},
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         return proc

@@ -139,7 +139,7 @@ class Candidate:
 
     def canonical_tools(self) -> str:
         if self._tools is None:
-            self._tools = canonical_tools(self.tools) + "\0" + _canonical_json(self.template_kwargs or {})
+            self._tools = tools_key(self.tools, self.template_kwargs)[0]
         return self._tools
 
     def key(self) -> bytes:
@@ -149,7 +149,7 @@ class Candidate:
                 self._digest = chain_step(self.prefix_digest, message_digest(self.messages[-1]))
             else:
                 self._digest = chain_digests(message_digest(m) for m in self.messages)[-1]
-        return tools_digest(self.canonical_tools()) + self._digest
+        return tools_key(self.tools, self.template_kwargs)[1] + self._digest
 
 
 DIGEST_SIZE = 16
@@ -157,10 +157,34 @@ EMPTY_CHAIN = b"\0" * DIGEST_SIZE
 """The chain digest of no messages."""
 
 
+MESSAGE_DIGESTS_BYTES = 16 << 20
+"""The most JSON `message_digest` keeps, across sessions (then it starts over)."""
+_message_digests: dict[bytes, bytes] = {}
+_message_digests_bytes = 0
+
+
 def message_digest(msg: Any) -> bytes:
     """BLAKE2b of a message's canonical form as JSON (content text and content-part tuples serialise
-    differently, so they never collide)."""
-    return hashlib.blake2b(orjson.dumps(tuple(canonical_message(msg))), digest_size=DIGEST_SIZE).digest()
+    differently, so they never collide). Kept by the message's exact JSON across sessions: the sessions of a run
+    send the same system prompt, tool results and replies again and again (each session's first call put every
+    one of its messages in canonical form)."""
+    global _message_digests_bytes
+    key: bytes | None = None
+    if isinstance(msg, dict):
+        try:
+            key = orjson.dumps(msg)
+        except (TypeError, orjson.JSONEncodeError):
+            key = None
+        if key is not None and (hit := _message_digests.get(key)) is not None:
+            return hit
+    digest = hashlib.blake2b(orjson.dumps(tuple(canonical_message(msg))), digest_size=DIGEST_SIZE).digest()
+    if key is not None:
+        if _message_digests_bytes + len(key) > MESSAGE_DIGESTS_BYTES:
+            _message_digests.clear()
+            _message_digests_bytes = 0
+        _message_digests[key] = digest
+        _message_digests_bytes += len(key)
+    return digest
 
 
 def chain_step(previous: bytes, message: bytes) -> bytes:
@@ -180,6 +204,35 @@ def tools_digest(canonical_tools_and_kwargs: str) -> bytes:
     return hashlib.blake2b(canonical_tools_and_kwargs.encode(), digest_size=DIGEST_SIZE).digest()
 
 
+TOOLS_CACHE_BYTES = 8 << 20
+"""The most JSON `tools_key` keeps (then it starts over)."""
+_tools_keys: dict[bytes, tuple[str, bytes]] = {}
+_tools_keys_bytes = 0
+
+
+def tools_key(tools: Sequence[Any] | None, template_kwargs: dict[str, Any] | None) -> tuple[str, bytes]:
+    """(canonical tools + NUL + canonical chat_template_kwargs, its `tools_digest`): what a turn's tools and kwargs
+    are compared and indexed by. Cached by the exact JSON of both: an agent sends the same tools with every call,
+    and every session of a run sends the same ones (their canonical form was ~20 us of every call, twice: to find
+    the parent and to index the new turn). Tools that are not plain JSON (pydantic models) are not cached."""
+    global _tools_keys_bytes
+    try:
+        raw: bytes | None = orjson.dumps((tools, template_kwargs))
+    except (TypeError, orjson.JSONEncodeError):
+        raw = None
+    hit = _tools_keys.get(raw) if raw is not None else None
+    if hit is None:
+        text = canonical_tools(tools) + "\0" + _canonical_json(template_kwargs or {})
+        hit = (text, tools_digest(text))
+        if raw is not None:
+            if _tools_keys_bytes + len(raw) > TOOLS_CACHE_BYTES:
+                _tools_keys.clear()
+                _tools_keys_bytes = 0
+            _tools_keys[raw] = hit
+            _tools_keys_bytes += len(raw) + len(text)
+    return hit
+
+
 RAW_CACHE_BYTES = 64 << 20
 """The most JSON `ParentIndex` keeps to know messages it has seen (then it starts over)."""
 
@@ -190,42 +243,72 @@ class ParentIndex:
     again as it was is not put in canonical form again. Memory: one entry per turn, and the JSON of each
     distinct message once (at most RAW_CACHE_BYTES)."""
 
-    __slots__ = ("_by_key", "_raw", "_raw_bytes")
+    __slots__ = ("_by_id", "_by_key", "_raw", "_raw_bytes")
 
     def __init__(self) -> None:
         self._by_key: dict[bytes, Candidate] = {}
-        self._raw: dict[bytes, bytes] = {}
+        self._raw: dict[bytes, tuple[bytes, dict[str, Any]]] = {}
+        """A message's exact JSON -> its digest, and the message object kept for it."""
         self._raw_bytes = 0
+        self._by_id: dict[int, bytes] = {}
+        """id of a kept message object -> its digest (the object is alive while kept: the id is its own). A
+        request whose messages are the kept objects themselves (the gateway converts a message it saw before
+        into the same dict: gateway/routes/message_reuse.py) is digested without serialising them."""
 
     def digests(self, messages: Sequence[Any]) -> list[bytes]:
         """The chain digests of `messages` (`chain_digests`), each message's digest from the cache when its
-        exact JSON was seen before."""
+        exact JSON was seen before. A list's message seen before is replaced, in place, by the object kept for
+        its JSON (the same JSON, so the same message): a session's history is then the same objects turn after
+        turn, and `gateway.sessions_cache.share_messages` finds them shared by identity."""
         raw = self._raw
         out = [EMPTY_CHAIN]
-        for m in messages:
+        swap = isinstance(messages, list)
+        by_id = self._by_id
+        for i, m in enumerate(messages):
+            known = by_id.get(id(m))
+            if known is not None:
+                out.append(chain_step(out[-1], known))
+                continue
             key = None
             if isinstance(m, dict):
                 try:
                     key = orjson.dumps(m)
                 except (TypeError, orjson.JSONEncodeError):
                     key = None
-            digest = raw.get(key) if key is not None else None
-            if digest is None:
+            hit = raw.get(key) if key is not None else None
+            if hit is None:
                 digest = message_digest(m)
                 if key is not None:
-                    if self._raw_bytes + len(key) > RAW_CACHE_BYTES:
-                        raw.clear()
-                        self._raw_bytes = 0
-                    raw[key] = digest
-                    self._raw_bytes += len(key)
+                    self._keep(key, digest, m)
+            else:
+                digest = hit[0]
+                if swap and hit[1] is not m:
+                    messages[i] = hit[1]  # type: ignore[index]
             out.append(chain_step(out[-1], digest))
         return out
+
+    def _keep(self, key: bytes, digest: bytes, message: dict[str, Any]) -> None:
+        if self._raw_bytes + len(key) > RAW_CACHE_BYTES:
+            self._raw.clear()
+            self._by_id.clear()
+            self._raw_bytes = 0
+        self._raw[key] = (digest, message)
+        self._by_id[id(message)] = digest
+        self._raw_bytes += len(key)
 
     def add(self, cand: Candidate) -> None:
         key = cand.key()
         old = self._by_key.get(key)
         if old is None or cand.created_order >= old.created_order:
             self._by_key[key] = cand
+        reply = cand.messages[-1] if cand.messages else None
+        if isinstance(reply, dict):  # a client that sends the reply back as it got it sends this object's JSON
+            try:
+                key = orjson.dumps(reply)
+            except (TypeError, orjson.JSONEncodeError):
+                return
+            if key not in self._raw:
+                self._keep(key, message_digest(reply), reply)
 
     def find(
         self, candidates: Sequence[Candidate], new_messages: Sequence[Any], tools: Sequence[Any] | None,
@@ -238,7 +321,7 @@ class ParentIndex:
         chain = self.digests(new_messages)
         if not candidates:
             return ParentChoice(None, "first_turn"), None, chain[-1]
-        prefix = tools_digest(canonical_tools(tools) + "\0" + _canonical_json(template_kwargs or {}))
+        prefix = tools_key(tools, template_kwargs)[1]
         by_key = self._by_key
         for k in range(len(chain) - 2, 0, -1):  # strict prefixes, longest first
             cand = by_key.get(prefix + chain[k])

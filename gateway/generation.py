@@ -14,9 +14,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncGenerator
+from array import array
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from gateway.adapters import missing, out_of_sync, route_adapter
 from gateway.errors import BadRequest, ServiceUnavailable
@@ -35,6 +38,16 @@ def parse_version(v: str | None) -> int:
         return int(v)
     except ValueError:
         return 0
+
+
+def input_ids(prompt: Sequence[int], more: list[int]) -> Any:
+    """The payload's `input_ids`: the prompt, then the tokens generated so far (a resubmission). A prompt held as
+    an int32 array (a turn extending its parent: a long session's history) goes as a NumPy view of it, which the
+    SGLang client serialises without making a Python int of each id (orjson's OPT_SERIALIZE_NUMPY)."""
+    if isinstance(prompt, array):
+        ids = np.frombuffer(prompt, dtype=np.int32)
+        return np.concatenate([ids, np.asarray(more, dtype=np.int32)]) if more else ids
+    return [*prompt, *more]
 
 
 @dataclass(slots=True)
@@ -79,7 +92,7 @@ async def generate(
     *,
     session_id: str,
     group_id: str | None,
-    prompt_ids: list[int],
+    prompt_ids: Sequence[int],
     sampling: dict[str, Any],
     max_new_tokens: int,
     top_logprobs: int,
@@ -104,7 +117,7 @@ async def generate(
             out.finish = {"type": "length", "length": max_new_tokens}
             return
         payload: dict[str, Any] = {
-            "input_ids": prompt_ids + out.ids,
+            "input_ids": input_ids(prompt_ids, out.ids),
             "sampling_params": {**sampling, "max_new_tokens": budget},
             "return_logprob": True,
             "rid": f"{base_rid}-{attempt}",

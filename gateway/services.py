@@ -113,8 +113,14 @@ class Services:
         return self.serving is None
 
 
+SERVICES_ATTRIBUTE = "rollway_services"
+"""The app attribute `install` also puts the services on: read by `services` and `serving` several times a call,
+where `app.state`'s `__getattr__` was a Python call each time."""
+
+
 def install(app: FastAPI, svc: Services) -> None:
     app.state.services = svc
+    setattr(app, SERVICES_ATTRIBUTE, svc)
 
 
 def app_services(app: FastAPI) -> Services:
@@ -145,13 +151,13 @@ def scope_metrics(scope: dict[str, object]) -> Metrics | None:
 
 def services(request: Request) -> Services:
     """A route's services: the one accessor every handler uses."""
-    svc: Services = request.app.state.services
+    svc: Services = getattr(request.scope["app"], SERVICES_ATTRIBUTE)
     return svc
 
 
 def serving(request: Request) -> Serving:
     """A route's serving services; a 503 under `rollway view` (which mounts none of the routes that ask)."""
-    svc: Services = request.app.state.services
+    svc: Services = getattr(request.scope["app"], SERVICES_ATTRIBUTE)
     if svc.serving is None:
         raise ServiceUnavailable("this process serves the viewer only (rollway view)")
     return svc.serving

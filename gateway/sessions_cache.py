@@ -15,14 +15,14 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from itertools import chain as concat
 from typing import Any
 
 import orjson
 
 from gateway.continuity import Candidate, ParentIndex
 from gateway.store.store import Store, TurnRow
-from rollway_common.wire import unpack
+from gateway.template_segments import RenderCut
+from rollway_common.wire import int32_array, unpack
 
 PROMPT_TEXTS_KEPT = 2
 """Rendered prompts kept per session (a turn extending one of these renders one template less; one extending an
@@ -60,15 +60,21 @@ class SessionView:
     """Tokens the session recorded: the sum over its turns of prompt + completion."""
     prompt_texts: OrderedDict[str, str] = field(default_factory=OrderedDict)
     """turn id -> its rendered prompt, for the latest turns this process rendered (not kept in the store)."""
+    prompt_cuts: dict[str, RenderCut] = field(default_factory=dict)
+    """turn id -> where its rendered prompt may be cut (`ChatTemplate.extension_cut`), for turns in `prompt_texts`."""
 
-    def full_ids(self, turn_id: str) -> list[int]:
-        """The turn's prompt + completion ids."""
+    def full_ids(self, turn_id: str) -> array[int]:
+        """The turn's prompt + completion ids, a new int32 array (put together by memory copies: a long session's
+        100k ids cost no Python int each)."""
         parts = []
         at: str | None = turn_id
         while at is not None:
             at, own, _ = self.segments[at]
             parts.append(own)
-        return list(concat.from_iterable(reversed(parts)))
+        out = array("i")
+        for own in reversed(parts):
+            out.extend(own)
+        return out
 
     def completion(self, turn_id: str) -> list[int]:
         _, own, n = self.segments[turn_id]
@@ -77,8 +83,8 @@ class SessionView:
     def add_ids(self, turn_id: str, seq: int, parent_id: str | None, prompt_delta: list[int],
                 completion_ids: list[int]) -> None:
         """A turn's ids; `prompt_delta` follows the parent's full ids (the whole prompt when `parent_id` is None)."""
-        own = array("i", prompt_delta)
-        own.extend(completion_ids)
+        own = int32_array(prompt_delta)
+        own.extend(int32_array(completion_ids))
         self.segments[turn_id] = (parent_id, own, len(completion_ids))
         full = len(own) + (self.lengths[parent_id] if parent_id is not None else 0)
         self.lengths[turn_id] = full
@@ -88,7 +94,7 @@ class SessionView:
     def add(self, turn_id: str, seq: int, messages: list[dict], reply: dict, tools: list | None,
             parent_id: str | None, prompt_delta: list[int], completion_ids: list[int],
             prompt_text: str | None = None, template_kwargs: dict | None = None,
-            messages_digest: bytes | None = None) -> None:
+            messages_digest: bytes | None = None, prompt_cut: RenderCut | None = None) -> None:
         """`messages_digest`: the chain digest of `messages` when the caller computed it (`ParentIndex.find`)."""
         cand = Candidate(turn_id, [*messages, reply], tools, seq, template_kwargs, prefix_digest=messages_digest)
         self.candidates.append(cand)
@@ -96,8 +102,11 @@ class SessionView:
         self.add_ids(turn_id, seq, parent_id, prompt_delta, completion_ids)
         if prompt_text is not None:
             self.prompt_texts[turn_id] = prompt_text
+            if prompt_cut is not None:
+                self.prompt_cuts[turn_id] = prompt_cut
             while len(self.prompt_texts) > PROMPT_TEXTS_KEPT:
-                self.prompt_texts.popitem(last=False)
+                old, _ = self.prompt_texts.popitem(last=False)
+                self.prompt_cuts.pop(old, None)
 
 
 def view_from_rows(rows: list[TurnRow]) -> SessionView:
@@ -139,12 +148,12 @@ class SessionCache:
     def record(self, session_id: str, seq: int, turn_id: str, messages: list[dict], reply: dict,
                tools: list | None, parent_id: str | None, prompt_delta: list[int], completion_ids: list[int],
                prompt_text: str | None = None, template_kwargs: dict | None = None,
-               messages_digest: bytes | None = None) -> None:
+               messages_digest: bytes | None = None, prompt_cut: RenderCut | None = None) -> None:
         """Add a just-stored turn to a cached view that was current before it; else forget the view."""
         view = self._views.get(session_id)
         if view is not None and view.turn_count == seq - 1 and reply:
             view.add(turn_id, seq, messages, reply, tools, parent_id, prompt_delta, completion_ids, prompt_text,
-                     template_kwargs, messages_digest)
+                     template_kwargs, messages_digest, prompt_cut)
         else:
             self.drop(session_id)
 

@@ -144,7 +144,7 @@ class SGLangClient:
         """POST /generate for one prompt (flat `input_ids`, n = 1). An abort partial comes back as a
         result with `finish_type == "abort"`, not as an error."""
         url = self.url + "/generate"
-        body = orjson.dumps({**payload, "stream": False})
+        body = orjson.dumps({**payload, "stream": False}, option=orjson.OPT_SERIALIZE_NUMPY)
         timeout = self._read_timeout_s if read_timeout is None else read_timeout
         try:
             status, data = await self._http1.post("/generate", body, timeout=timeout)
@@ -358,7 +358,8 @@ class SGLangClient:
         url = self.url + "/generate"
         try:
             resp = await self._session.post(
-                url, data=orjson.dumps(body), headers=self._normal_headers, timeout=timeout, allow_redirects=False
+                url, data=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), headers=self._normal_headers,
+                timeout=timeout, allow_redirects=False,
             )
             if resp.status < 300:
                 return resp

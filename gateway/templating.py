@@ -28,6 +28,7 @@ from gateway.encoding import CachedEncoder
 from gateway.errors import BadRequest
 from gateway.model_formats import ModelFormats, detect
 from gateway.settings import RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
+from gateway.template_segments import LazyMessages, NotLocal, RenderCut, Renderer, inputs_json, plan
 from gateway.tool_parsers import (
     ParsedReply,
     ReasoningParser,
@@ -53,7 +54,46 @@ def _compiled(template: str) -> Any:
         from transformers.utils.chat_template_utils import _compile_jinja_template
     except ImportError:
         return None
-    return _compile_jinja_template(template)
+    compiled = _compile_jinja_template(template)
+    dict_attributes_fast(compiled.environment)
+    return compiled
+
+
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+def dict_attributes_fast(env: Any) -> None:
+    """`message.role` in a template, on a plain dict, read without the AttributeError that Jinja's sandbox takes
+    first: its `getattr` tries the attribute, and a dict has none by a message's keys, so every such read built and
+    caught an exception (~50 a chat call of the gateway benchmark, ~7% of the gateway's instructions). The answer
+    is the sandbox's own: a name a dict has as an attribute (`items`, `__class__`) still goes its way; any other is
+    the dict's item, or undefined when it has none, which is where the sandbox's AttributeError led."""
+    if getattr(env, "_dict_attributes_fast", False):
+        return
+    sandboxed = env.getattr
+
+    def getattr_(obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except (TypeError, LookupError):
+                return env.undefined(obj=obj, name=attribute)
+        return sandboxed(obj, attribute)
+
+    env.getattr = getattr_
+    env._dict_attributes_fast = True
+
+
+@functools.lru_cache(maxsize=8)
+def _renderer(template: str) -> Renderer | None:
+    """A renderer by segments when the template is provably message-local (gateway.template_segments), else None."""
+    compiled = _compiled(template)
+    if compiled is None:
+        return None
+    try:
+        return Renderer(plan(compiled.environment, template))
+    except NotLocal:
+        return None
 
 
 def _text(content: Any) -> str:
@@ -260,9 +300,31 @@ class ChatTemplate:
     ) -> tuple[list[int], str]:
         """The prompt of a first turn (or of a new chain): the whole conversation + generation prompt, as
         ids and as the rendered text; `kwargs`, the request's chat_template_kwargs."""
+        ids, text, _ = self.render_prompt_cut(messages, tools, kwargs)
+        return ids, text
+
+    def render_prompt_cut(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None, kwargs: Mapping[str, Any] | None = None
+    ) -> tuple[list[int], str, RenderCut | None]:
+        """`render_prompt`, and where a turn extending this one may cut the text (`extension`'s `parent_cut`)."""
         hf_messages, hf_tools, hf_kwargs, marked = self._template_input(messages, tools, kwargs)
         text = self._render(hf_messages, hf_tools, True, hf_kwargs)
-        return self._encode(text, marked), (self._encoder.unmark(text) if marked else text)
+        cut = None if marked else self._cut(hf_messages, hf_tools, hf_kwargs, text)
+        return self._encode(text, marked), (self._encoder.unmark(text) if marked else text), cut
+
+    def _segment_variables(self, hf_tools: list[Any] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """What `_render` passes the template besides the messages and add_generation_prompt."""
+        variables = {**self._variables, **kwargs} if kwargs else self._variables
+        return {**variables, "tools": hf_tools, "documents": None}
+
+    def _cut(self, hf_messages: list[dict[str, Any]], hf_tools: list[Any] | None, kwargs: Mapping[str, Any],
+             text: str) -> RenderCut | None:
+        """Where `text`, the whole render of `hf_messages`, may be cut (`Renderer.cut`); None when the template
+        renders whole only."""
+        renderer = _renderer(self.tokenizer.get_chat_template(self.chat_template, hf_tools))
+        if renderer is None:
+            return None
+        return renderer.cut(self._segment_variables(hf_tools, kwargs), hf_messages, inputs_json(hf_tools, kwargs), text)
 
     def extension(
         self,
@@ -275,6 +337,23 @@ class ChatTemplate:
         kwargs: Mapping[str, Any] | None = None,
         check_new_chars: Callable[[int], None] | None = None,
     ) -> tuple[list[int], str] | None:
+        """`extension_cut` without the cut."""
+        ext = self.extension_cut(prev_messages, prev_completion_ids, new_messages, tools, parent_prompt=parent_prompt,
+                                 kwargs=kwargs, check_new_chars=check_new_chars)
+        return None if ext is None else ext[:2]
+
+    def extension_cut(
+        self,
+        prev_messages: Sequence[Message],
+        prev_completion_ids: Sequence[int],
+        new_messages: Sequence[Message],
+        tools: Sequence[Any] | None,
+        *,
+        parent_prompt: str | None = None,
+        parent_cut: RenderCut | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        check_new_chars: Callable[[int], None] | None = None,
+    ) -> tuple[list[int], str, RenderCut | None] | None:
         """The ids to append to the parent's prompt + completion ids for `new_messages`, with the rendered
         text of the whole new prompt; None when the template is not prefix stable here (the caller starts
         a new chain, "template_not_prefix_stable").
@@ -290,13 +369,38 @@ class ChatTemplate:
         of parent and request (continuity extends only turns with the same ones). `check_new_chars`: called,
         before anything is tokenized, with how many characters the full rendering adds after the parent's
         conversation (the text of the new messages, as the client sent it); it may raise to refuse the request.
+
+        `parent_cut`: where `parent_prompt` may be cut (`render_prompt_cut`, an earlier `extension_cut`). With it,
+        a message-local template (gateway.template_segments) renders only the segments after the cut: the same
+        two texts as whole renders, at a cost that does not grow with the conversation. Also returned: the cut
+        of the new prompt, for the turn that extends this one (None: that one renders whole).
         """
         if not prev_messages or not new_messages:
             raise ValueError("extension needs the parent's messages and at least one new message")
-        hf_all, hf_tools, hf_kwargs, marked = self._template_input([*prev_messages, *new_messages], tools, kwargs)
-        hf_prev = hf_all[: len(prev_messages)]
-        full = self._render(hf_all, hf_tools, True, hf_kwargs)
-        prefix = self._render(hf_prev, hf_tools, False, hf_kwargs)
+        # The two renders as texts from `base` on: whole renders from 0; renders by segments from a little before
+        # the parent prompt's cut (the texts before it are the parent prompt's own, and are not copied).
+        fast = None
+        cut: RenderCut | None
+        if parent_cut is not None and parent_prompt is not None:
+            try:
+                fast = self._by_segments(prev_messages, new_messages, tools, kwargs, parent_prompt, parent_cut)
+            except Exception:  # the whole renders below raise what the template raises
+                fast = None
+        if fast is not None and parent_prompt is not None:
+            full_rest, prefix_rest, known, cut = fast
+            marked = False
+            base = max(0, known - self._longest_marker)
+            before = parent_prompt[base:known]
+            full, prefix = before + full_rest, before + prefix_rest
+            whole = parent_prompt[:known] + full_rest
+        else:
+            hf_all, hf_tools, hf_kwargs, marked = self._template_input(
+                [*prev_messages, *new_messages], tools, kwargs)
+            hf_prev = hf_all[: len(prev_messages)]
+            whole = full = self._render(hf_all, hf_tools, True, hf_kwargs)
+            prefix = self._render(hf_prev, hf_tools, False, hf_kwargs)
+            cut = None if marked else self._cut(hf_all, hf_tools, hf_kwargs, full)
+            base = 0
         if check_new_chars is not None:
             unmark = self._encoder.unmark if marked else str
             check_new_chars(len(unmark(full)) - len(unmark(prefix)))
@@ -310,7 +414,8 @@ class ChatTemplate:
             parent_prompt = self._render(hf_prev[:-1], hf_tools, False, hf_kwargs)
         # The parent's prompt ends with the generation prompt, which may share leading characters with the
         # reply's end marker (an empty reply): step back so the marker is searched for from its start.
-        reply_start = max(0, _common_prefix_len(parent_prompt, prefix) - self._longest_marker + 1)
+        shared = _common_prefix_len(parent_prompt[base:], prefix)
+        reply_start = max(0, shared - self._longest_marker + 1)
         end = -1
         for marker in self._markers:
             at = prefix.rfind(marker, reply_start)
@@ -323,11 +428,30 @@ class ChatTemplate:
             if not full.startswith(emitted, len(prefix)):
                 return None
             text = full[len(prefix) + len(emitted):]
-            return self._encode(text, marked), (self._encoder.unmark(full) if marked else full)
+            return self._encode(text, marked), (self._encoder.unmark(whole) if marked else whole), cut
         text = prefix[end:] + full[len(prefix) :]
         if not prev_completion_ids or prev_completion_ids[-1] not in self._stop_set:
             text = self.end_of_turn + text  # cut off by max_tokens (or aborted): close the turn
-        return self._encode(text, marked), (self._encoder.unmark(full) if marked else full)
+        return self._encode(text, marked), (self._encoder.unmark(whole) if marked else whole), cut
+
+    def _by_segments(
+        self, prev: Sequence[Message], new: Sequence[Message], tools: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None, parent_prompt: str, cut: RenderCut,
+    ) -> tuple[str, str, int, RenderCut] | None:
+        """`extension`'s two renders (all messages + generation prompt; `prev` alone) by segments, each from the
+        parent prompt's cut on, where that cut is, and the new prompt's cut; None when the proof does not cover
+        this request (`Renderer.extend`)."""
+        hf_tools = drop_none(list(tools)) if tools else None
+        hf_kwargs = dict(kwargs or {})
+        renderer = _renderer(self.tokenizer.get_chat_template(self.chat_template, hf_tools))
+        n = len(prev)
+        if renderer is None or not renderer.usable(cut, n, parent_prompt, inputs_json(hf_tools, hf_kwargs)):
+            return None
+        messages = LazyMessages([*prev, *new], hf_message)
+        if self._encoder.forged([messages[i] for i in range(n - 1, len(messages))]):
+            return None  # the parent's prompt was not marked; the reply or a new message would be
+        ext = renderer.extend(self._segment_variables(hf_tools, hf_kwargs), messages, n, parent_prompt, cut)
+        return None if ext is None else (ext[0], ext[1], cut.offset, ext[2])
 
     # --- replies -----------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -36,6 +36,7 @@ from gateway.sessions_cache import SessionCache, SessionView, share_messages
 from gateway.store.models import TurnRecord
 from gateway.store.requests import delta, shared_prefix
 from gateway.store.store import SessionAuth, Store, unique_id
+from gateway.template_segments import RenderCut
 from gateway.templating import ChatTemplate
 from gateway.tool_grammar import ForcedTools, resolve_tool_choice, structural_tag
 from gateway.tool_parsers import ParsedReply, ReplyParser
@@ -159,7 +160,8 @@ class PreparedTurn:
     auth: SessionAuth
     req: TurnRequest
     turn_id: str
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]
+    """The whole prompt: a list, or an int32 array when the turn extends its parent (`generation.input_ids`)."""
     prompt_delta: list[int]
     parent_id: str | None
     chain_reason: str | None
@@ -177,6 +179,8 @@ class PreparedTurn:
     """Decoded under a grammar (a forced tool_choice, a response_format): recorded on the turn."""
     messages_digest: bytes | None = None
     """The chain digest of the request's messages (gateway.continuity), for the session view's index."""
+    prompt_cut: RenderCut | None = None
+    """Where `prompt_text` may be cut by a turn extending this one (`ChatTemplate.extension_cut`)."""
 
 
 @dataclass(slots=True)
@@ -212,8 +216,9 @@ class TurnService:
         self.reasoning = reasoning
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.stop_ids = set(template.stop_token_ids)
-        self._token_text: dict[int, tuple[str, list[int]]] = {}
-        self._renders: OrderedDict[bytes, tuple[tuple[int, ...], str]] = OrderedDict()
+        self.token_texts: dict[int, tuple[str, list[int]]] = {}
+        """token id -> `token_text`'s answer, for those asked once."""
+        self._renders: OrderedDict[bytes, tuple[tuple[int, ...], str, RenderCut | None]] = OrderedDict()
         per_token = max_chars_per_token(self.tokenizer)
         self.chars_per_token = per_token
         """No token stands for more characters than this (None: not provable for this tokenizer)."""
@@ -249,6 +254,8 @@ class TurnService:
         reason: str | None
         text: str | None = None
         digest: bytes | None = None
+        cut: RenderCut | None = None
+        prompt: Sequence[int]
         big = req.body_bytes >= BIG_BODY_BYTES
         view = await self.cache.get(auth.id, auth.turn_count)
         recorded = view.recorded if max_session_tokens is not None else 0
@@ -258,9 +265,9 @@ class TurnService:
             prompt = await self._raw_prompt(req, big)
             delta, reason = prompt, "completions_endpoint"
         elif big:
-            parent_id, reason, prompt, delta, text, digest = await self.off_loop(self._continue, view, req, True)
+            parent_id, reason, prompt, delta, text, digest, cut = await self.off_loop(self._continue, view, req, True)
         else:
-            parent_id, reason, prompt, delta, text, digest = self._continue(view, req)
+            parent_id, reason, prompt, delta, text, digest, cut = self._continue(view, req)
         if max_session_tokens is not None and recorded + len(prompt) > max_session_tokens:
             raise _session_full(auth.id, recorded, len(prompt), max_session_tokens, req)
         max_new = self._budget(len(prompt), req.max_tokens, req.fit_to_context)
@@ -273,6 +280,7 @@ class TurnService:
             parent_id=parent_id, chain_reason=reason, prompt_text=text, sampling=sampling, temperature=temperature,
             max_new_tokens=max_new, started=started, view=view, template_kwargs=self.kwargs_of(req),
             constrained=req.forced is not None or req.json_schema is not None, messages_digest=digest,
+            prompt_cut=cut,
         )
 
     def _tool_grammar(self, req: TurnRequest, prompt_text: str | None) -> str:
@@ -333,9 +341,9 @@ class TurnService:
 
     def _continue(
         self, view: SessionView, req: TurnRequest, big: bool = False
-    ) -> tuple[str | None, str | None, list[int], list[int], str, bytes]:
-        """(parent id, new-chain reason, prompt ids, prompt delta, prompt text, chain digest of the messages) of
-        a chat turn.
+    ) -> tuple[str | None, str | None, Sequence[int], list[int], str, bytes, RenderCut | None]:
+        """(parent id, new-chain reason, prompt ids, prompt delta, prompt text, chain digest of the messages, where
+        the prompt text may be cut) of a chat turn.
 
         `big`: on a worker thread, with the thread's own template, without the render cache (its keys would
         be as big as the requests), and measuring the new text before it is tokenized."""
@@ -350,23 +358,26 @@ class TurnService:
             check = None
             if big and self.chars_per_token is not None:
                 check = functools.partial(self._check_extension, view.lengths[parent.turn_id], self.chars_per_token)
-            ext = template.extension(
+            ext = template.extension_cut(
                 parent.messages, view.completion(parent.turn_id), req.messages[n_prev:], req.tools,
-                parent_prompt=view.prompt_texts.get(parent.turn_id), kwargs=kwargs, check_new_chars=check,
+                parent_prompt=view.prompt_texts.get(parent.turn_id), parent_cut=view.prompt_cuts.get(parent.turn_id),
+                kwargs=kwargs, check_new_chars=check,
             )
             if ext is not None:
-                ids, text = ext
-                return parent.turn_id, None, [*view.full_ids(parent.turn_id), *ids], ids, text, digest
+                ids, text, cut = ext
+                full = view.full_ids(parent.turn_id)  # an int32 array: no Python int per id of the history
+                full.extend(ids)
+                return parent.turn_id, None, full, ids, text, digest, cut
             reason = "template_not_prefix_stable"
         else:
             reason = choice.reason
         if not big:
-            ids, text = self._render_cached(req.messages, req.tools, kwargs)
+            ids, text, cut = self._render_cached(req.messages, req.tools, kwargs)
         else:
             if self._max_prompt_chars is not None:  # measured before the costly part of render_prompt: encoding
                 self._check_chars(template.render_text(req.messages, req.tools, kwargs=kwargs), "messages")
-            ids, text = template.render_prompt(req.messages, req.tools, kwargs)
-        return None, reason, ids, ids, text, digest
+            ids, text, cut = template.render_prompt_cut(req.messages, req.tools, kwargs)
+        return None, reason, ids, ids, text, digest, cut
 
     def _check_extension(self, chain: int, per_token: int, new: int) -> None:
         """Refuse an extension too long for the context before it is tokenized: its text holds at least the `new`
@@ -382,18 +393,18 @@ class TurnService:
 
     def _render_cached(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
-    ) -> tuple[list[int], str]:
+    ) -> tuple[list[int], str, RenderCut | None]:
         """Siblings of a GRPO group send the same first prompt: render and tokenize it once."""
         key = orjson.dumps([messages, tools, kwargs], option=orjson.OPT_SORT_KEYS)
         hit = self._renders.get(key)
         if hit is None:
-            ids, text = self.template.render_prompt(messages, tools, kwargs)
-            hit = self._renders[key] = (tuple(ids), text)
+            ids, text, cut = self.template.render_prompt_cut(messages, tools, kwargs)
+            hit = self._renders[key] = (tuple(ids), text, cut)
             if len(self._renders) > 1024:
                 self._renders.popitem(last=False)
         else:
             self._renders.move_to_end(key)
-        return list(hit[0]), hit[1]
+        return list(hit[0]), hit[1], hit[2]
 
     def _budget(self, prompt_len: int, max_tokens: int | None, fit: bool = False) -> int:
         ctx = self.context_length
@@ -442,10 +453,10 @@ class TurnService:
 
     def token_text(self, token_id: int) -> tuple[str, list[int]]:
         """One token's text and UTF-8 bytes for OpenAI logprobs (cached: decoding is the costly part)."""
-        hit = self._token_text.get(token_id)
+        hit = self.token_texts.get(token_id)
         if hit is None:
             text = str(self.tokenizer.decode([token_id], skip_special_tokens=False))
-            hit = self._token_text[token_id] = (text, list(text.encode()))
+            hit = self.token_texts[token_id] = (text, list(text.encode()))
         return hit
 
     def reply_parser(self, p: PreparedTurn) -> ReplyParser:
@@ -510,16 +521,16 @@ class TurnService:
             },
         )
         # Shielded: a client that goes away while we commit must not cancel the commit.
-        seq = await asyncio.shield(self.store.insert_turn(p.auth.id, record))
+        seq = await asyncio.shield(self.store.insert_turn_started(p.auth.id, record))
         if raw_only and p.view is not None and p.view.turn_count == seq - 1:
             # A raw completion is no parent (no messages), but its ids count toward the session's tokens.
             # The view stays current, as a reload from the store would build it; handing the cache a turn
             # without a reply would drop the view and reload every turn of the session on the next call.
-            p.view.add_ids(p.turn_id, seq, None, p.prompt_ids, gen.ids)
+            p.view.add_ids(p.turn_id, seq, None, list(p.prompt_ids), gen.ids)
         else:
             self.cache.record(
                 p.auth.id, seq, p.turn_id, p.req.messages, {} if raw_only else reply, p.req.tools, p.parent_id,
-                p.prompt_delta, gen.ids, p.prompt_text, p.template_kwargs or None, p.messages_digest,
+                p.prompt_delta, gen.ids, p.prompt_text, p.template_kwargs or None, p.messages_digest, p.prompt_cut,
             )
         self.metrics.turn_stored(
             continuity="extends" if p.parent_id else "new-chain", prompt_tokens=len(p.prompt_ids), completion_tokens=len(gen.ids),

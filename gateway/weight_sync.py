@@ -24,7 +24,11 @@ version recorded and no batch acked. The next publish includes them too.
 of ports, one `/update_weights_from_tensor` payload per bucket and TP rank for each backend (`tensors`; SGLang's
 serialized handles to the trainer's shared memory or CUDA IPC memory, a few hundred bytes each; `load_format` says
 whether they are flattened buckets or named tensors, and is passed on to the servers as it is). The same steps
-without a group: mark, begin, one `/update_weights_from_tensor` per bucket (the version on the last), end. Such
+without a group: mark, begin, one `/update_weights_from_tensor` per bucket, end, name the version (its own call,
+after the last read answered), each backend within `server_deadline` (rollway_common/sync_deadline.py): one given up
+on may still be reading and stays "<v>-partial". The sync runs apart from the trainer's request and stays listed in
+`GET /v1/weights/sync` until every backend's update ended or was given up on: the trainer changes the memory the
+servers read only after that (docs/scaling.md "Ways to publish"). Such
 handles open only on the machine that made them, so init refuses (400) a trainer whose `host_id` (its kernel's
 boot id) is not this gateway's, and a backend whose URL is not an address of this host.
 """
@@ -46,6 +50,7 @@ from urllib.parse import urlsplit
 from gateway.errors import BadRequest, Conflict, ServiceUnavailable
 from gateway.pool import Backend
 from gateway.sglang import BackendError
+from rollway_common.sync_deadline import call_timeout, server_deadline
 
 log = logging.getLogger("rollway.gateway")
 DISTRIBUTED = "distributed:"
@@ -153,6 +158,9 @@ class ProcessGroupSync:
     def __init__(self, publisher: Any) -> None:
         self.publisher = publisher  # gateway.weights.Publisher (not imported: it imports this module)
         self.plan: Plan | None = None
+        self.finished: dict[str, Any] | None = None
+        """The last sync that ended: its sync_id and its answer or error (a trainer whose call failed asks)."""
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     async def init(self, version: int, master_address: str, backend: str, timeout: float,
                    catch_up: bool = False, host_id: str | None = None) -> dict[str, Any]:
@@ -264,9 +272,31 @@ class ProcessGroupSync:
                 if batch_ids or results:
                     raise BadRequest("a catch-up acks no batches: publish them with a new version", param="batch_ids")
                 await self._check_current(version)
-                return await self._run_catch_up(plan, ports, buckets)
-            await self.publisher.leases.check_publishable(version, batch_ids)
-            return await self._run(plan, ports, buckets, batch_ids, results)
+            else:
+                await self.publisher.leases.check_publishable(version, batch_ids)
+        except BaseException:
+            self._release(plan)
+            raise
+        # The servers' updates run in a task of their own, not the request's: a trainer whose call timed out or whose
+        # connection dropped does not cut them short, and the plan stays listed (`GET /v1/weights/sync`) until every
+        # server's update has ended or been given up on. Only then may the trainer change what they read.
+        work = self._run_catch_up(plan, ports, buckets) if plan.catch_up else self._run(plan, ports, buckets,
+                                                                                       batch_ids, results)
+        task = asyncio.ensure_future(self._drive(plan, work))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def _drive(self, plan: Plan, work: Any) -> dict[str, Any]:
+        try:
+            answer: dict[str, Any] = await work
+            self.finished = {"sync_id": plan.sync_id, "version": plan.version, "catch_up": plan.catch_up,
+                             "answer": answer}
+            return answer
+        except Exception as e:
+            self.finished = {"sync_id": plan.sync_id, "version": plan.version, "catch_up": plan.catch_up,
+                             "error": {"status": getattr(e, "status", 500), "message": str(e)}}
+            raise
         finally:
             self._release(plan)
 
@@ -275,7 +305,7 @@ class ProcessGroupSync:
         pool, version = self.publisher.pool, plan.version
         t0 = time.perf_counter()
         await _each(plan.targets, lambda t: t.backend.client.pause("abort"))
-        await asyncio.gather(*(self._update(t, plan, ports[t.group_name], buckets) for t in plan.targets))
+        await asyncio.gather(*(self._update_within(t, plan, ports[t.group_name], buckets) for t in plan.targets))
         failed = {t.backend.id: t.error or "" for t in plan.targets if t.error is not None}
         for t in plan.targets:
             if t.error is not None:  # its waiting requests come back aborted and are resubmitted elsewhere
@@ -305,7 +335,7 @@ class ProcessGroupSync:
         pool, version = self.publisher.pool, plan.version
         t0 = time.perf_counter()
         await _each(plan.targets, lambda t: t.backend.client.pause("abort"))
-        await asyncio.gather(*(self._update(t, plan, ports[t.group_name], buckets) for t in plan.targets))
+        await asyncio.gather(*(self._update_within(t, plan, ports[t.group_name], buckets) for t in plan.targets))
         await _each([t for t in plan.targets if t.error is not None],
                     lambda t: t.backend.client.abort("", abort_all=True))
         await _each(plan.targets, lambda t: t.backend.client.continue_())
@@ -323,6 +353,21 @@ class ProcessGroupSync:
                 log.error("backend %s failed to catch up to version %d: %s", t.backend.id, version, t.error)
         return {"version": version, "catch_up": True, "seconds": round(time.perf_counter() - t0, 4),
                 "failed_backends": failed, "backends": [t.backend.id for t in ok]}
+
+    async def _update_within(self, t: Target, plan: Plan, port: int, buckets: list[dict[str, Any]]) -> None:
+        """One server's update; on the tensor path given up on at `server_deadline`. A server given up on may still
+        be reading the trainer's memory, which the trainer changes once the gateway answers: it was marked
+        "<v>-partial" before its first read and is named the version only by a call after its last read answered
+        (`_update_from_tensor`), so it keeps saying "<v>-partial" (out of rotation, `awaiting_backends`) until a whole
+        version is sent to it, whatever that read still does."""
+        if plan.backend != "tensor":
+            return await self._update(t, plan, port, buckets)
+        deadline = server_deadline(plan.timeout, len(buckets))
+        try:
+            await asyncio.wait_for(self._update(t, plan, port, buckets), deadline)
+        except TimeoutError:
+            t.error = (f"{t.stage}: given up after {deadline:.0f} s (it may still be reading; it is sent a whole "
+                       "version before it serves again)")
 
     async def _update(self, t: Target, plan: Plan, port: int, buckets: list[dict[str, Any]]) -> None:
         if plan.backend == "tensor":
@@ -366,8 +411,10 @@ class ProcessGroupSync:
                     log.debug("destroying group %s: %s", t.group_name, e)
 
     async def _update_from_tensor(self, t: Target, plan: Plan, buckets: list[dict[str, Any]]) -> None:
-        """The tensor path on one backend: mark, begin, one `/update_weights_from_tensor` per bucket, end."""
-        client, timeout, session = t.backend.client, plan.timeout + 10, False
+        """The tensor path on one backend: mark, begin, one `/update_weights_from_tensor` per bucket, end, then name
+        the version (`/update_weight_version`), and only then: not on the last bucket, whose call may be given up on
+        while the server still reads, and must not leave it claiming a version it may hold a torn copy of."""
+        client, timeout, session = t.backend.client, call_timeout(plan.timeout), False
         payloads = plan.tensors[t.group_name]
         try:
             t.stage = "mark"
@@ -380,13 +427,14 @@ class ProcessGroupSync:
                 last = i == len(payloads) - 1
                 body: dict[str, Any] = {"serialized_named_tensors": entries, "load_format": plan.load_format,
                                         "flush_cache": last, "abort_all_requests": False}
-                if last:
-                    body["weight_version"] = str(plan.version)
                 await client.weight_call("/update_weights_from_tensor", body, timeout)
                 t.buckets_done = i + 1
             if session:
                 t.stage, session = "end", False
                 await client.weight_session_close(timeout)
+            t.stage = "version"  # every read has answered: the server holds the whole version
+            await client.weight_call("/update_weight_version",
+                                     {"new_version": str(plan.version), "abort_all_requests": False}, timeout)
             t.stage = "done"
         except BackendError as e:
             t.error = f"{t.stage}: {e}"
@@ -405,6 +453,8 @@ class ProcessGroupSync:
         if plan is not None:
             out["sync"] = {"sync_id": plan.sync_id, "version": plan.version, "backend": plan.backend,
                            "catch_up": plan.catch_up, "targets": [t.json() for t in plan.targets]}
+        if self.finished is not None:  # the last sync that ended: a trainer whose call failed reads its answer here
+            out["finished"] = self.finished
         return out
 
 

@@ -29,7 +29,8 @@ GROUPS = {"rollway_common": [], "gateway": [], "rollway": [], "agents": [], "mig
 # Files that import an optional extra's module (lazily, behind an option that is off by default): file -> extras.
 OPTIONAL = {"trainer/tracking.py": ["wandb", "mlflow"],
             # torch: imported only by the engine and the trainer (tests/test_import_graph.py keeps the gateway off it)
-            "rollway_common/process_group.py": ["engine", "train"]}
+            "rollway_common/process_group.py": ["engine", "train"],
+            "rollway_common/tensor_payload.py": ["engine", "train"]}
 
 
 def _name(req: str) -> str:

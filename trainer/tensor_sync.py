@@ -14,7 +14,8 @@ Each payload is SGLang 0.5.23's own format (rollway_common/tensor_payload.py), o
   checkpoint's dtype): `load_format` unset, a list of `(name, tensor)` pairs whose tensors are the model's own
   parameters, moved into shared memory once (`share_memory_()`, in place). No gather copy: each server copies
   straight out of the trainer's memory. `LiveWeights` keeps the next optimizer step from changing them until every
-  server has read them (the publish's paused begin/end session ends first).
+  server has read them (the publish's paused begin/end session ends first): until the gateway answers, or, when
+  that call fails, says the publish is over (`wait_sync_over`); never, when it does not say (`WeightsStillRead`).
 - **buckets** (otherwise: several ranks, a dtype to cast to, a GPU): as SGLang's `Engine.update_weights_from_tensor`
   callers (verl, slime) build it for `load_format="flattened_bucket"`, `{"flattened_tensor": <the bucket's bytes,
   uint8>, "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel), ...]}`
@@ -39,11 +40,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rollway_common.sync_deadline import answer_timeout
 from rollway_common.tensor_payload import FlattenedTensorMetadata, serialize, share_cpu_tensors
+from trainer.client import GatewayClient, GatewayHTTPError
 
 log = logging.getLogger("trainer")
 
-__all__ = ["LiveWeights", "exposable", "host_id", "payloads", "serialize_bucket", "serialize_named", "share_cpu_tensors"]
+__all__ = ["LiveWeights", "WeightsStillRead", "exposable", "host_id", "payloads", "serialize_bucket", "serialize_named",
+           "share_cpu_tensors", "sync_tensors", "wait_sync_over"]
 
 
 def serialize_bucket(flat: torch.Tensor, names: list[str], shapes: list[list[int]]) -> str:
@@ -75,6 +79,61 @@ def serialize_named(names: list[str], tensors: list[torch.Tensor]) -> str:
                 t.share_memory_()
         pairs.append((name, t.detach()))
     return serialize(pairs)
+
+
+class WeightsStillRead(RuntimeError):
+    """The gateway never said a tensor-path publish was over: servers may still be reading its memory."""
+
+
+def wait_sync_over(client: GatewayClient, sync_id: str, limit: float, error: Exception) -> dict[str, Any]:
+    """After the tensor path's `POST /v1/weights/sync` failed with `error` (timed out, connection dropped, a proxy's
+    5xx), the gateway may still be driving the servers' reads of the trainer's memory: ask it (`GET
+    /v1/weights/sync`) until that sync is no longer pending, which it is until every server's read has ended or
+    been given up on (that server left "<v>-partial": docs/scaling.md "Ways to publish"). Returns the gateway's
+    answer when it published; raises its error (or `error`) when it did not; WeightsStillRead when the gateway did
+    not say within `limit` seconds."""
+    t0 = time.monotonic()
+    delay, last = 0.2, error
+    if not isinstance(error, GatewayHTTPError) or error.status >= 500:
+        log.warning("the publish's answer failed (%s): waiting for the gateway to say the servers stopped reading "
+                    "the weights before they may change", error)
+    while True:
+        try:
+            status = client.sync_status()
+        except Exception as e:  # the gateway away for now: it may still be driving the reads
+            last = e
+        else:
+            pending = status.get("sync")
+            if not pending or pending.get("sync_id") != sync_id:  # over (a gateway that restarted drives nothing)
+                finished = status.get("finished") or {}
+                if finished.get("sync_id") == sync_id and isinstance(finished.get("answer"), dict):
+                    return dict(finished["answer"])
+                if finished.get("sync_id") == sync_id and isinstance(finished.get("error"), dict):
+                    err = finished["error"]
+                    raise GatewayHTTPError("POST", "/v1/weights/sync", int(err.get("status") or 500),
+                                           {"error": {"message": err.get("message")}}) from error
+                raise error
+        if time.monotonic() - t0 > limit:
+            raise WeightsStillRead(f"the gateway did not say within {limit:.0f} s that weight sync {sync_id} was over "
+                                   f"(last: {last}); servers may still be reading the published weights, which are "
+                                   "kept as they are") from error
+        time.sleep(delay)
+        delay = min(2.0, delay * 2)
+
+
+def sync_tensors(client: GatewayClient, plan: dict[str, Any], version: int, buckets: list[Any], batch_ids: list[str],
+                 results: dict[str, str], timeout_s: float, load_format: str | None) -> dict[str, Any]:
+    """`POST /v1/weights/sync` with the buckets' handles (`payloads`); returns the gateway's answer only once no
+    server can still be reading them: the gateway answers after every server's read ended or was given up on, and
+    is waited for longer than its deadline; if the call fails anyway, `wait_sync_over` asks it."""
+    if any(b.is_cuda for b in buckets):
+        torch.cuda.synchronize()  # the gather's copies are done before another process reads them
+    limit = answer_timeout(timeout_s, len(buckets))
+    try:
+        return client.sync(plan["sync_id"], version, {}, [b.manifest() for b in buckets], batch_ids, results,
+                           timeout=limit, tensors=payloads(buckets, plan["groups"]), load_format=load_format)
+    except Exception as e:  # timed out, connection dropped, a proxy's 5xx: the servers may still be reading
+        return wait_sync_over(client, str(plan["sync_id"]), limit + 60.0, e)
 
 
 @cache
@@ -127,6 +186,9 @@ class LiveWeights:
         """Gathers that handed the weights out."""
         self.waited_s = 0.0
         """The optimizer steps' total wait for readers (tests, benchmarks)."""
+        self.stranded: str | None = None
+        """Why servers may still be reading the weights with nobody to say when they stop (`WeightsStillRead`): no
+        optimizer step may change them any more."""
         self._cond = threading.Condition()
 
     def expose(self) -> int:
@@ -142,6 +204,13 @@ class LiveWeights:
     def done(self) -> None:
         with self._cond:
             self.readers -= 1
+            self._cond.notify_all()
+
+    def strand(self, reason: str) -> None:
+        """A publish whose end nobody confirmed (`WeightsStillRead`): its reader never leaves, every later step
+        raises instead of changing the weights under a server's read."""
+        with self._cond:
+            self.stranded = reason
             self._cond.notify_all()
 
     @contextmanager
@@ -162,12 +231,16 @@ class LiveWeights:
         """`optimizer.register_step_pre_hook(live.before_step)`: wait for the readers, then the weights change."""
         t0 = time.perf_counter()
         with self._cond:
-            while not self._cond.wait_for(lambda: self.readers == 0, 60.0 if self.timeout is None else self.timeout):
+            while not self._cond.wait_for(lambda: self.readers == 0 or self.stranded is not None,
+                                          60.0 if self.timeout is None else self.timeout):
                 if self.timeout is not None:
                     raise RuntimeError(f"the servers did not finish reading the published weights in "
                                        f"{self.timeout:.0f} s (--weight-sync tensor); the optimizer step would change "
                                        "them under the reads")
                 log.warning("the optimizer step waits for the servers to finish reading the published weights "
                             "(%.0f s so far)", time.perf_counter() - t0)
+            if self.stranded is not None:
+                raise WeightsStillRead(f"the optimizer step would change weights servers may still be reading: "
+                                       f"{self.stranded}")
             self.generation += 1
         self.waited_s += time.perf_counter() - t0

@@ -38,9 +38,10 @@ from torch import nn
 
 from rollway_common.process_group import init_custom_process_group
 from rollway_common.procs import free_port
+from trainer import tensor_sync
 from trainer.checkpoint import TOKENIZER_FILES, _fsync_dir, _fsync_tree, full_state_dict, save_dtype
 from trainer.client import GatewayClient, GatewayHTTPError
-from trainer.tensor_sync import LiveWeights, exposable, host_id, payloads, share_cpu_tensors
+from trainer.tensor_sync import LiveWeights, WeightsStillRead, exposable, host_id, share_cpu_tensors
 
 log = logging.getLogger("trainer")
 
@@ -195,6 +196,8 @@ class BufferSet:
         self.flats = flats
         self.generation = 0
         self.lock = threading.Lock()
+        self.stranded = False
+        """Servers may still be reading it (a publish whose end the gateway never confirmed): left as it is."""
 
 
 _POOL: dict[tuple[Any, ...], list[BufferSet]] = {}
@@ -207,19 +210,21 @@ def _buffers(layout: list[list[str]], state: dict[str, torch.Tensor], device: st
     two payloads: one publishing, the next just gathered). Fresh memory costs its page faults on every step: a
     100M-parameter copy took 1.5 s into new pages on 2 busy cores."""
     key = (*((tuple(names), state[names[0]].dtype) for names in layout), device, shared)
+
+    def make(names: list[str]) -> torch.Tensor:
+        t = torch.empty(sum(state[n].numel() for n in names), dtype=state[names[0]].dtype, device=device)
+        if shared and t.device.type == "cpu":  # the tensor path hands out its memory by name
+            share_cpu_tensors()
+            t.share_memory_()
+        return t
+
     if key not in _POOL:
         _POOL.clear()
         _TURN.clear()
-
-        def make(names: list[str]) -> torch.Tensor:
-            t = torch.empty(sum(state[n].numel() for n in names), dtype=state[names[0]].dtype, device=device)
-            if shared and t.device.type == "cpu":  # the tensor path hands out its memory by name
-                share_cpu_tensors()
-                t.share_memory_()
-            return t
-
         _POOL[key] = [BufferSet([make(names) for names in layout]) for _ in range(2)]
     turn = _TURN[key] = 1 - _TURN.get(key, 1)
+    if _POOL[key][turn].stranded:  # servers may still read it: a fresh set takes its place
+        _POOL[key][turn] = BufferSet([make(names) for names in layout])
     return _POOL[key][turn]
 
 
@@ -286,11 +291,20 @@ class SyncPayload:
         try:
             return self._publish(client, version, batch_ids, results)
         finally:
-            if self.live is not None and not self._done:  # the servers have read the weights: the step may go on
+            self._strand()  # first: a step waiting for `done` must see it
+            if self.live is not None and not self._done:  # no server reads the weights any more: the step may go on
                 self._done = True
                 self.live.done()
 
     _done = False
+    stranded = False
+    """The tensor path: servers may still read these tensors (`WeightsStillRead`): they must never change."""
+
+    def _strand(self) -> None:
+        if self.stranded and self.live is not None:  # every later optimizer step raises
+            self.live.strand("the gateway never said the servers stopped reading the published weights")
+        if self.stranded and self.buffers is not None:
+            self.buffers.stranded = True  # never written again: the next gathers get fresh buffers
 
     @contextmanager
     def reading(self) -> Iterator[bool]:
@@ -328,7 +342,10 @@ class SyncPayload:
                                 host_id=host_id())
         if not plan["groups"]:
             return None
-        return self._send(client, plan, version, [], {})
+        try:
+            return self._send(client, plan, version, [], {})
+        finally:
+            self._strand()
 
     def _publish_distributed(self, client: GatewayClient, version: int, batch_ids: list[str],
                              results: dict[str, str]) -> int:
@@ -344,11 +361,12 @@ class SyncPayload:
         backend = opts.resolved_backend()
         groups = plan["groups"]
         if backend == "tensor":  # no group: each backend opens the buckets' memory itself
-            if any(b.is_cuda for b in self.buckets):
-                torch.cuda.synchronize()  # the gather's copies are done before another process reads them
-            answer = client.sync(plan["sync_id"], version, {}, [b.manifest() for b in self.buckets], batch_ids,
-                                 results, timeout=opts.timeout * (2 + len(self.buckets)),
-                                 tensors=payloads(self.buckets, groups), load_format=self.load_format)
+            try:
+                answer = tensor_sync.sync_tensors(client, plan, version, self.buckets, batch_ids, results,
+                                                  opts.timeout, self.load_format)
+            except WeightsStillRead:
+                self.stranded = True  # `publish` keeps the memory from ever changing under those reads
+                raise
             self.last = {"answer": answer, "seconds": time.perf_counter() - t0, "groups": {}}
             return answer
         senders = [Sender(g, opts.address, free_port(), backend, opts.timeout, self.buckets).start() for g in groups]

@@ -22,6 +22,7 @@ from gateway.protocol import (
     refuse_unsupported,
 )
 from gateway.routes.common import json_response
+from gateway.routes.message_reuse import MessageReuse
 from gateway.routes.replies import logprobs_content, read_turn_body, run_to_end, usage
 from gateway.routes.streaming import ChatChunks, CompletionChunks, stream_turn
 from gateway.services import services, serving
@@ -30,6 +31,8 @@ from gateway.tool_grammar import response_format_schema
 from gateway.turns import TurnRequest, TurnService, tools_for_choice
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
+REUSE = MessageReuse()
+"""Chat messages validated and converted before, by their JSON: an agent's every call replays its history."""
 
 
 def content_text(content: Any, param: str) -> str | None:
@@ -85,7 +88,7 @@ def chat_turn_request(body: ChatCompletionRequest, body_bytes: int = 0) -> TurnR
                          param="chat_template_kwargs")
     return TurnRequest(
         endpoint="chat",
-        messages=[message_dict(m, i) for i, m in enumerate(body.messages)],
+        messages=[REUSE.converted(m, i, message_dict) for i, m in enumerate(body.messages)],
         tools=tools,
         asked=asked,
         max_tokens=body.max_completion_tokens or body.max_tokens,
@@ -104,7 +107,7 @@ def chat_turn_request(body: ChatCompletionRequest, body_bytes: int = 0) -> TurnR
 async def _chat(request: Request, session_id: str | None) -> Response:
     # The key first: a caller without one is answered before any of its body is read or parsed.
     auth = await chat_session(request, session_id)
-    body, size = await read_turn_body(request, ChatCompletionRequest, "messages")
+    body, size = await read_turn_body(request, ChatCompletionRequest, "messages", REUSE)
     note_unknown_fields(body, "chat.completions")
     refuse_unsupported(body, CHAT_REFUSED)
     turns: TurnService = serving(request).turns

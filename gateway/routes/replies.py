@@ -14,21 +14,34 @@ from gateway import disconnect
 from gateway.errors import BadRequest
 from gateway.generation import Generation
 from gateway.routes.common import M, parse_body, read_raw_body
+from gateway.routes.message_reuse import MessageReuse
 from gateway.services import services
 from gateway.settings import Settings
 from gateway.turns import FinishedTurn, PreparedTurn, TurnService
 
 
-async def read_turn_body(request: Request, model: type[M], messages: str | None) -> tuple[M, int]:
+async def read_turn_body(request: Request, model: type[M], messages: str | None,
+                         reuse: MessageReuse | None = None) -> tuple[M, int]:
     """The body of an OpenAI call (read after its key was checked) and its size in bytes. `messages` names
     the list counted against `max_messages` (and `tools` against `max_tools`; None: neither, a completion
     has no such lists) on the decoded JSON, before validation: validating 230k messages (7 MB) took 3 s of
-    the event loop."""
+    the event loop. `reuse`: that list's messages seen before are not validated again (`MessageReuse`)."""
     raw = await read_raw_body(request)
     if messages is None:
         return parse_body(raw, model), len(raw)
     settings: Settings = services(request).settings
-    return parse_body(raw, model, lambda data: check_counts(data, settings, messages)), len(raw)
+    keys: list[bytes | None] | None = None
+
+    def precheck(data: dict[str, Any]) -> None:
+        nonlocal keys
+        check_counts(data, settings, messages)
+        if reuse is not None:
+            keys = reuse.swap(data, messages)
+
+    body = parse_body(raw, model, precheck)
+    if reuse is not None and keys is not None:
+        reuse.keep(keys, getattr(body, messages))
+    return body, len(raw)
 
 
 def check_counts(data: dict[str, Any], settings: Settings, messages: str) -> None:
@@ -53,14 +66,16 @@ def logprobs_content(
 ) -> list[dict[str, Any]]:
     """OpenAI's `logprobs.content` for generated ids (stop ids left out: they are not text)."""
     out = []
+    stop, known, token_text = turns.stop_ids, turns.token_texts, turns.token_text  # every token of every reply
+    n_tops = len(tops)
     for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
-        if tid in turns.stop_ids:
+        if tid in stop:
             continue
-        text, raw = turns.token_text(tid)
+        text, raw = known.get(tid) or token_text(tid)
         entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": raw, "top_logprobs": []}
-        if i < len(tops) and tops[i]:
+        if i < n_tops and tops[i]:
             entry["top_logprobs"] = [
-                {"token": (tb := turns.token_text(cand))[0], "logprob": clp, "bytes": tb[1]} for cand, clp in tops[i]
+                {"token": (tb := token_text(cand))[0], "logprob": clp, "bytes": tb[1]} for cand, clp in tops[i]
             ]
         out.append(entry)
     return out

@@ -52,22 +52,28 @@ def json_text(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
+def _column_plan(columns: Sequence[Column[Any]]) -> tuple[tuple[str, int, Any], ...]:
+    """Per column: (the record's field, how its value is bound: 0 as is, 1 as JSON text, 2 the column's default)."""
+    plan = []
+    for col in columns:
+        default = col.default
+        scalar = default.arg if default is not None and default.is_scalar else None  # type: ignore[attr-defined]
+        how = (1 if col.name in _JSON_COLUMNS else 0) if col.name in _RECORD_FIELDS else 2
+        plan.append((col.name, how, scalar))
+    return tuple(plan)
+
+
+_INSERTED_PLAN = _column_plan(INSERTED_COLUMNS)
+
+
 def turn_params(turn: TurnRecord, columns: Sequence[Column[Any]] = INSERTED_COLUMNS) -> list[Any]:
     """A turn's values in the order of `columns`, as SQLAlchemy would bind them: JSON as text, a column the record
     lacks (`reward`) as its scalar default (else NULL). Booleans stay bool (sqlite3 stores them as 0/1, as
-    SQLAlchemy did). The record's fields are checked against the table once, at import (models.py)."""
-    out: list[Any] = []
-    for col in columns:
-        name = col.name
-        if name in _RECORD_FIELDS:
-            v = getattr(turn, name)
-            if name in _JSON_COLUMNS:
-                v = json_text(v)
-        else:
-            default = col.default
-            v = default.arg if default is not None and default.is_scalar else None  # type: ignore[attr-defined]
-        out.append(v)
-    return out
+    SQLAlchemy did). The record's fields are checked against the table once, at import (models.py); the plan for
+    the inserted columns is made once too (this runs for every stored turn)."""
+    plan = _INSERTED_PLAN if columns is INSERTED_COLUMNS else _column_plan(columns)
+    return [getattr(turn, name) if how == 0 else json_text(getattr(turn, name)) if how == 1 else scalar
+            for name, how, scalar in plan]
 
 
 class UnknownColumns(sqlalchemy.exc.CompileError):
@@ -251,12 +257,16 @@ class SqliteStatements:
         return _auth_row(self.db.execute(f"{_AUTH}{column} = ?", (value,)).fetchone())
 
     async def insert_turn(self, session_id: str, now: float, turn: TurnRecord) -> int:
+        return await self.insert_turn_started(session_id, now, turn)
+
+    def insert_turn_started(self, session_id: str, now: float, turn: TurnRecord) -> asyncio.Future[int]:
+        """The turn queued for the writer's next group commit; the future resolves to its seq once committed."""
         params = [session_id, 0, now, *turn_params(turn)]
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._queue.append((session_id, now, params, done))
         if self._writer is None:  # it starts after this turn of the loop: what else is stored in it joins
             self._writer = asyncio.ensure_future(self._write())
-        return await done
+        return done
 
     async def _write(self) -> None:
         try:

@@ -236,6 +236,15 @@ class Store(ViewerStore):
             expand(turns)
         return out
 
+    def insert_turn_started(self, session_id: str, turn: TurnRecord) -> asyncio.Future[int]:
+        """`insert_turn`, started now; the future resolves to the turn's seq once it is durable. Cancelling a
+        waiter does not cancel the write when it awaits the future under `asyncio.shield` (a client that leaves
+        while its turn commits). On SQLite's direct path the future is the turn's place in the writer's next group
+        commit, with no task of its own (a shielded coroutine was one more task and loop step a call)."""
+        if isinstance(self.direct, SqliteStatements):
+            return self.direct.insert_turn_started(session_id, time.time(), turn)
+        return asyncio.ensure_future(self.insert_turn(session_id, turn))
+
     async def insert_turn(self, session_id: str, turn: TurnRecord) -> int:
         """Store one turn and bump the session's turn count; returns the turn's seq. Durable on return."""
         now = time.time()

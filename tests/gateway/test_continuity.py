@@ -20,6 +20,8 @@ from gateway.continuity import (
     choose_parent,
     message_digest,
     messages_equal,
+    tools_digest,
+    tools_key,
 )
 from gateway.protocol import ChatMessage
 
@@ -409,3 +411,70 @@ def test_index_digests_cache_by_exact_json() -> None:
     assert again == first and len(index._raw) == 2
     reordered = index.digests([{"content": "You are terse.", "role": "system", "name": None}, CALL])
     assert reordered == first and len(index._raw) == 3
+
+
+def test_tools_key_cached_by_exact_json_answers_as_uncached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cached key of tools and kwargs is the canonical form and its digest, whatever the spelling: tools
+    reordered or with nulls key the same, other tools or kwargs differently; pydantic tools (not plain JSON) are
+    keyed without the cache; past its byte bound the cache starts over."""
+    import gateway.continuity as continuity
+
+    monkeypatch.setattr(continuity, "_tools_keys", {})
+    monkeypatch.setattr(continuity, "_tools_keys_bytes", 0)
+    reordered = [{"function": {**TOOLS[0]["function"], "strict": None}, "type": "function"}]
+    for tools, kwargs in ((TOOLS, None), (reordered, {}), (None, None), ([], {"enable_thinking": True}),
+                          ([*TOOLS, *TOOLS], None)):
+        text = canonical_tools(tools) + "\0" + json.dumps(kwargs or {}, sort_keys=True, separators=(",", ":"))
+        assert tools_key(tools, kwargs) == (text, tools_digest(text))
+        assert tools_key(tools, kwargs) == (text, tools_digest(text))  # from the cache
+    assert tools_key(TOOLS, None) == tools_key(reordered, {})
+    assert tools_key(TOOLS, None) != tools_key(TOOLS, {"enable_thinking": False})
+    assert len(continuity._tools_keys) == 6
+
+    class Tool:  # not JSON: canonical_tools dumps it, the cache cannot key it
+        def model_dump(self) -> dict[str, Any]:
+            return TOOLS[0]
+
+    assert tools_key([Tool()], None) == tools_key(TOOLS, None)
+    assert len(continuity._tools_keys) == 6
+    monkeypatch.setattr(continuity, "TOOLS_CACHE_BYTES", continuity._tools_keys_bytes + 10)
+    big = [{"type": "function", "function": {"name": "x" * 20, "parameters": {}}}]
+    assert tools_key(big, None)[0].startswith("[{")
+    assert list(continuity._tools_keys) == [continuity.orjson.dumps((big, None))]
+
+
+def test_candidate_keys_with_the_cached_tools_key() -> None:
+    """A candidate's key starts with the digest of its tools and kwargs: a request with the same tools in another
+    spelling finds it; with other kwargs it does not."""
+    index = ParentIndex()
+    c = Candidate("t1", T1, [{"function": {**TOOLS[0]["function"], "strict": None}, "type": "function"}], 1)
+    index.add(c)
+    assert index.find([c], [*T1, RESULT], TOOLS)[1] is c
+    assert index.find([c], [*T1, RESULT], TOOLS, {"enable_thinking": True})[1] is None
+
+
+def test_message_digest_kept_across_sessions_equals_the_canonical_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`message_digest` kept by exact JSON answers what the canonical form gives; re-serialised variants digest the
+    same; a message that is not plain JSON is digested without the cache; past its bound the cache starts over."""
+    import hashlib
+
+    import gateway.continuity as continuity
+
+    monkeypatch.setattr(continuity, "_message_digests", {})
+    monkeypatch.setattr(continuity, "_message_digests_bytes", 0)
+
+    def uncached(m: Any) -> bytes:
+        return hashlib.blake2b(continuity.orjson.dumps(tuple(canonical_message(m))), digest_size=16).digest()
+
+    variants = [SYSTEM, {"content": "You are terse.", "role": "system", "name": None}, CALL, RESULT, ANSWER,
+                {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}, USER]
+    for m in variants * 2:
+        assert message_digest(m) == uncached(m)
+    assert message_digest(variants[1]) == message_digest(SYSTEM)
+    assert message_digest(variants[5]) == message_digest(USER)
+    assert len(continuity._message_digests) == len(variants)
+    assert message_digest(ChatMessage.model_validate(USER)) == message_digest(USER)  # not a dict: not kept
+    assert len(continuity._message_digests) == len(variants)
+    monkeypatch.setattr(continuity, "MESSAGE_DIGESTS_BYTES", continuity._message_digests_bytes + 5)
+    message_digest(USER2)
+    assert list(continuity._message_digests) == [continuity.orjson.dumps(USER2)]

@@ -43,7 +43,7 @@ def _session(turns: int) -> tuple[SessionView, list[TurnRow], list[list[int]]]:
 def test_full_ids_and_recorded_from_segments() -> None:
     view, _, fulls = _session(40)
     for i, full in enumerate(fulls):
-        assert view.full_ids(f"t{i}") == full
+        assert view.full_ids(f"t{i}").tolist() == full
         assert view.lengths[f"t{i}"] == len(full)
         assert view.completion(f"t{i}") == [100 + i] * 5
     assert view.recorded == sum(map(len, fulls))
@@ -65,7 +65,7 @@ def test_view_from_rows_answers_as_the_kept_view() -> None:
     rebuilt = view_from_rows(rows)
     assert rebuilt.turn_count == kept.turn_count == 30
     assert rebuilt.recorded == kept.recorded
-    assert [rebuilt.full_ids(f"t{i}") for i in range(30)] == fulls
+    assert [rebuilt.full_ids(f"t{i}").tolist() for i in range(30)] == fulls
     assert [c.key() for c in rebuilt.candidates] == [c.key() for c in kept.candidates]
     assert len({id(m) for c in rebuilt.candidates for m in c.messages}) == 1 + 30 + 30
 

@@ -424,3 +424,29 @@ def test_the_admission_count_starts_as_the_count_of_the_groups_already_there(tmp
     con.execute("UPDATE groups SET state = 'dropped' WHERE id = 'g1'")
     assert con.execute("SELECT groups FROM admission_counts WHERE id = 1").fetchone() == (2,)
     con.close()
+
+
+async def test_a_started_insert_commits_when_its_waiter_is_cancelled(db_url: str) -> None:
+    """`insert_turn_started` (what a chat call awaits under `asyncio.shield`): a waiter cancelled while the turn
+    commits leaves the turn stored, durable, with its seq; a turn for an unknown session fails its future alone."""
+    import asyncio
+
+    store = Store(create_engine(db_url))
+    await store.open()
+    try:
+        _, creds = await store.create_group({"q": 9}, 1, sampling={})
+        sid = creds[0][0]
+        started = store.insert_turn_started(sid, turn_values("t-left"))
+        waiter = asyncio.ensure_future(asyncio.shield(started))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        assert await started == 1
+        assert waiter.cancelled()
+        missing = store.insert_turn_started("sess_missing", turn_values("t-none"))
+        kept = store.insert_turn_started(sid, turn_values("t-next"))
+        with pytest.raises(NotFound):
+            await missing
+        assert await kept == 2
+        assert [r.id for r in await store.session_turns(sid)] == ["t-left", "t-next"]
+    finally:
+        await store.close()
