@@ -1,7 +1,7 @@
 """The shared tuned model: the tiny demo model, fine-tuned briefly to speak like an agent's model.
 
 The random tiny model never calls a tool or thinks, so the client tests fine-tune it once (`rollway train
---mode sft`) on four behaviours, each short and fixed so that a few steps teach it:
+--mode sft`) on these behaviours, each short and fixed so that a few steps teach it:
 
 - with the calculate tool: `<think>` + a fixed thought + `</think>`, then a Hermes `<tool_call>` whose
   expression is copied from the question (the reasoning block gives the thinking tests something to split);
@@ -10,7 +10,9 @@ The random tiny model never calls a tool or thinks, so the client tests fine-tun
 - without tools: a fixed greeting (plain text that ends the turn);
 - Claude Code's own requests (CLAUDE_CODE, captured from the gateway's store): the Claude Agent SDK's
   `mcp__calc__calculate` and the CLI's `Bash` offered, the same thought, then a call of the offered tool by its
-  offered name (`{"expression": "12+7"}`, `{"command": "echo 12+7"}`), and after the result the fixed answer.
+  offered name (`{"expression": "12+7"}`, `{"command": "echo 12+7"}`), and after the result the fixed answer;
+- in the last phases, a call forced right after the generation prompt (what a grammar for tool_choice "required"
+  makes the model write, no thought) on a greeting: a short expression, closed.
 
 The tool schema is drawn from the shapes the three SDKs send (OpenAI's function tool as written, the
 OpenAI Agents SDK's `@function_tool` schema with titles and `additionalProperties`), so the model calls the
