@@ -1,8 +1,10 @@
 """Driver: the Claude Agent SDK (its bundled Claude Code CLI, headless, offline) through a rollway session.
 
-    run(base_url, api_key, workdir) -> {"ok", "calls", "chains", "detail", "version"}
+    run(base_url, api_key, workdir) -> {"ok", "calls", "chains", "detail", "version", "tool_uses", "tool_runs",
+                                        "tool_results", "result"}
 
-`calls` are the distinct messages the SDK received; `chains` is 0 (a session key cannot list its session's
+`calls` are the distinct messages the SDK received; `tool_uses` the names of the tools the model called,
+`tool_results` what the tool answered each time it ran, `result` the final text; `chains` is 0 (a session key cannot list its session's
 turns without the session id: the client matrix reads them from the gateway).
 
 `base_url` is the session's OpenAI base (`.../v1`; the Anthropic base is that without `/v1`, or
@@ -79,8 +81,8 @@ async def _query(base_url: str, api_key: str, workdir: pathlib.Path) -> dict[str
     @tool("calculate", "Evaluate an arithmetic expression with + - * / and parentheses.", {"expression": str})
     async def calculate(args: dict[str, Any]) -> dict[str, Any]:
         expr = str(args.get("expression", ""))
-        calls.append({"expression": expr})
-        return {"content": [{"type": "text", "text": calculate_text(expr)}]}
+        calls.append({"expression": expr, "result": calculate_text(expr)})
+        return {"content": [{"type": "text", "text": calls[-1]["result"]}]}
 
     stderr: list[str] = []
     options = ClaudeAgentOptions(
@@ -111,7 +113,8 @@ async def _query(base_url: str, api_key: str, workdir: pathlib.Path) -> dict[str
     if not ok:
         detail += f"; errors {errors or getattr(result, 'errors', None)}; stderr {' '.join(stderr)[-400:]!r}"
     return {"ok": ok, "calls": len(messages), "chains": 0, "detail": detail, "version": __version__,
-            "tool_uses": tool_uses, "tool_runs": len(calls)}
+            "tool_uses": tool_uses, "tool_runs": len(calls), "tool_results": [c["result"] for c in calls],
+            "result": getattr(result, "result", None)}
 
 
 def _in_venv(base_url: str, api_key: str, workdir: pathlib.Path) -> dict[str, Any]:

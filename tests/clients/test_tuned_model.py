@@ -1,6 +1,6 @@
 """The client tests' tuned model (tests/clients/model.py): the committed weights follow the current recipe and,
 greedy, give every trained form on each prompt the tests send (think + one well-formed Hermes call with either
-tool schema, the fixed answer after the tool, the greeting). A failure names each prompt and what the model said;
+tool schema, the fixed answer after the tool, the greeting, a grammar-forced call closed in the tests' max_tokens). A failure names each prompt and what the model said;
 the fix is a rebuild (`python -m tests.clients.model`), which checks the same before it writes."""
 
 from __future__ import annotations
@@ -27,4 +27,6 @@ def test_the_check_fails_on_the_untuned_model(tmp_path: Path) -> None:
     from engine.tiny_model import create_tiny_model
 
     problems = model.behaviour_problems(create_tiny_model(tmp_path / "base", seed=0))
-    assert len(problems) == 2 * len(model.CHECK_QUESTIONS) + len(model.CHECK_GREETINGS), problems
+    assert len(problems) == (2 * len(model.CHECK_QUESTIONS) + len(model.CHECK_GREETINGS)
+                             + len(model.CLAUDE_CODE_TOOLS) * len(model.CLAUDE_CODE_CHECKS)
+                             + len(model.CHECK_FORCED)), problems
