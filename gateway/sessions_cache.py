@@ -43,12 +43,16 @@ class PromptIds(array):
     json: bytes
 
 
+SMALL_IDS = 1024
+"""An int32 array up to this long is serialised as a list (NumPy's fixed cost is ~2 us: a short call's prompt)."""
+
+
 def ids_json(ids: Any) -> bytes:
     """`ids` (a list of ints, or an int32 array) as JSON without the brackets: orjson's own serialisation of
     them, so the bytes sent are those of serialising the whole list."""
-    if isinstance(ids, array):
+    if isinstance(ids, array) and len(ids) > SMALL_IDS:
         return orjson.dumps(np.frombuffer(ids, dtype=np.int32), option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
-    return orjson.dumps(ids)[1:-1]
+    return orjson.dumps(ids.tolist() if isinstance(ids, array) else ids)[1:-1]
 
 
 def join_json(a: bytes, b: bytes) -> bytes:

@@ -5,6 +5,7 @@ kept turn by turn."""
 from __future__ import annotations
 
 import copy
+from array import array
 from typing import Any
 
 import orjson
@@ -123,5 +124,7 @@ def test_an_extending_prompt_carries_the_json_of_its_ids() -> None:
     assert view.full_json["t11"] == orjson.dumps(full)[1:-1]
     empty = SessionView(0)
     empty.add("a", 1, [SYSTEM], {"role": "assistant", "content": ""}, None, None, [], [])
+    big = [(k * 7919) % 300_000 - 150_000 for k in range(5000)]  # over SMALL_IDS: NumPy's serialisation
+    assert ids_json(array("i", big)) == ids_json(big) == orjson.dumps(big)[1:-1]
     assert orjson.dumps(input_ids(empty.extended_prompt("a", []), [])) == b"[]"
     assert orjson.dumps(input_ids(empty.extended_prompt("a", [5]), [6])) == b"[5,6]"
