@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from gateway.adapters import missing, out_of_sync, route_adapter
 from gateway.errors import BadRequest, ServiceUnavailable
 from gateway.pool import Backend, BackendPool, NoBackendAvailable
+from gateway.sessions_cache import PromptIds, ids_json, join_json
 from gateway.sglang import BackendRejected, BackendUnavailable
 from gateway.store.store import unique_id
 
@@ -41,9 +43,12 @@ def parse_version(v: str | None) -> int:
 
 
 def input_ids(prompt: Sequence[int], more: list[int]) -> Any:
-    """The payload's `input_ids`: the prompt, then the tokens generated so far (a resubmission). A prompt held as
-    an int32 array (a turn extending its parent: a long session's history) goes as a NumPy view of it, which the
-    SGLang client serialises without making a Python int of each id (orjson's OPT_SERIALIZE_NUMPY)."""
+    """The payload's `input_ids`: the prompt, then the tokens generated so far (a resubmission). A prompt that
+    extends its parent (`PromptIds`: a long session's history) goes as its JSON, kept from turn to turn
+    (orjson.Fragment: the same bytes as serialising the ids, without doing so); another int32 array as a NumPy
+    view of it, which the SGLang client serialises without making a Python int of each id (OPT_SERIALIZE_NUMPY)."""
+    if isinstance(prompt, PromptIds):
+        return orjson.Fragment(b"[" + join_json(prompt.json, ids_json(more)) + b"]")
     if isinstance(prompt, array):
         ids = np.frombuffer(prompt, dtype=np.int32)
         return np.concatenate([ids, np.asarray(more, dtype=np.int32)]) if more else ids

@@ -32,7 +32,7 @@ from gateway.continuity import Candidate
 from gateway.errors import BadRequest, Conflict, ContextLengthExceeded
 from gateway.generation import Generation
 from gateway.metrics import Metrics
-from gateway.sessions_cache import SessionCache, SessionView, share_messages
+from gateway.sessions_cache import PromptIds, SessionCache, SessionView, ids_json, join_json, share_messages
 from gateway.store.models import TurnRecord
 from gateway.store.requests import delta, shared_prefix
 from gateway.store.store import SessionAuth, Store, unique_id
@@ -365,8 +365,8 @@ class TurnService:
             )
             if ext is not None:
                 ids, text, cut = ext
-                full = view.full_ids(parent.turn_id)  # an int32 array: no Python int per id of the history
-                full.extend(ids)
+                # An int32 array with its JSON: no Python int per id of the history, and no serialising it.
+                full = view.extended_prompt(parent.turn_id, ids)
                 return parent.turn_id, None, full, ids, text, digest, cut
             reason = "template_not_prefix_stable"
         else:
@@ -531,6 +531,7 @@ class TurnService:
             self.cache.record(
                 p.auth.id, seq, p.turn_id, p.req.messages, {} if raw_only else reply, p.req.tools, p.parent_id,
                 p.prompt_delta, gen.ids, p.prompt_text, p.template_kwargs or None, p.messages_digest, p.prompt_cut,
+                join_json(p.prompt_ids.json, ids_json(gen.ids)) if isinstance(p.prompt_ids, PromptIds) else None,
             )
         self.metrics.turn_stored(
             continuity="extends" if p.parent_id else "new-chain", prompt_tokens=len(p.prompt_ids), completion_tokens=len(gen.ids),

@@ -32,11 +32,18 @@ async def read_turn_body(request: Request, model: type[M], messages: str | None,
     settings: Settings = services(request).settings
     keys: list[bytes | None] | None = None
 
-    def precheck(data: dict[str, Any]) -> None:
+    def precheck(data: dict[str, Any]) -> bool:
+        """True (walk the body without scanning its bytes) when most of its messages were handed over as
+        models validated before: what is left to walk is small (`check_json_shape`)."""
         nonlocal keys
         check_counts(data, settings, messages)
-        if reuse is not None:
-            keys = reuse.swap(data, messages)
+        if reuse is None:
+            return False
+        keys = reuse.swap(data, messages)
+        if keys is None:
+            return False
+        kept = sum(1 for m in data[messages] if type(m) is not dict)
+        return kept * 2 >= len(keys)
 
     body = parse_body(raw, model, precheck)
     if reuse is not None and keys is not None:

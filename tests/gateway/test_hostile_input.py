@@ -146,6 +146,24 @@ def test_nul_in_bodies_is_refused(gateway: LiveGateway, cred: dict[str, Any], fa
     assert chat(gateway, cred, {**OK, "messages": [{"role": "user", "content": "a\\u0000b"}]}).status_code == 200
 
 
+def test_a_replayed_history_is_checked_as_a_fresh_one(gateway: LiveGateway, cred: dict[str, Any]) -> None:
+    """A long session's replayed messages are handed over as their models (`MessageReuse`) and its body walked
+    without the byte scans (`check_json_shape(walk=True)`): a NUL or a too-deep value in the new messages, or
+    in the rest of the body, is refused as in a body seen for the first time."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": "s"}]
+    for i in range(6):
+        history += [{"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    assert chat(gateway, cred, {**OK, "messages": history}).status_code == 200
+    assert chat(gateway, cred, {**OK, "messages": history}).status_code == 200  # the history is now kept
+    bad_request(chat(gateway, cred, {**OK, "messages": [*history, {"role": "user", "content": "a\u0000b"}]}), "NUL")
+    bad_request(chat(gateway, cred, {**OK, "messages": [*history, {"role": "user\u0000", "content": "x"}]}), "NUL")
+    bad_request(chat(gateway, cred, {**OK, "messages": history, "metadata": nested(MAX_JSON_DEPTH)}), "nested")
+    deep_call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": json.dumps(nested(MAX_JSON_DEPTH + 1))}}]}
+    bad_request(chat(gateway, cred, {**OK, "messages": [*history, deep_call]}), "nested")
+    assert chat(gateway, cred, {**OK, "messages": [*history, {"role": "user", "content": "ok"}]}).status_code == 200
+
+
 # --- 14. strict types ---
 
 

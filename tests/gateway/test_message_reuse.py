@@ -11,7 +11,7 @@ import pytest
 
 from gateway.errors import BadRequest
 from gateway.protocol import ChatCompletionRequest
-from gateway.routes.common import parse_body
+from gateway.routes.common import check_json_shape, parse_body
 from gateway.routes.message_reuse import MIN_MESSAGES, MessageReuse
 from gateway.routes.openai_api import chat_turn_request, message_dict
 
@@ -92,3 +92,29 @@ def test_short_calls_are_left_alone_and_memory_is_bounded() -> None:
         _parse(reuse, {"messages": _history(n)})
     assert reuse._bytes <= 2000
     assert len(reuse._dicts) == len(reuse._models)
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"metadata": {"a": [[[[1]]]]}},
+    {"metadata": {"k\u0000": 1}},
+    {"metadata": ["x\u0000"]},
+    {"metadata": json.loads("[" * 200 + "]" * 200)},
+    {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "[" * 200 + "]" * 200}}]}]},
+    {"messages": [{"role": "user", "content": "[" * 300}]},  # brackets in a string nest nothing
+])
+def test_walking_without_the_byte_scans_refuses_the_same_bodies(extra: dict[str, Any]) -> None:
+    """`check_json_shape(walk=True)` (a body whose replayed messages were handed over as models) answers as
+    the scans and the walk do."""
+    body = {"model": "m", **extra}
+    raw = orjson.dumps(body)
+
+    def outcome(walk: bool) -> str | None:
+        try:
+            check_json_shape(raw, orjson.loads(raw), walk=walk)
+        except BadRequest as e:
+            return str(e)
+        return None
+
+    assert outcome(True) == outcome(False)

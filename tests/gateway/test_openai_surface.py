@@ -161,3 +161,20 @@ def test_unknown_fields_are_accepted(gateway: Any) -> None:
         parallel_tool_calls=False,
     )
     assert r.choices[0].message is not None
+
+
+def test_a_long_chain_sends_the_prompt_it_records(gateway: Any, fake: Any, tokenizer: Any) -> None:
+    """Turns extending their parent send the prompt's JSON kept from the parent's (`PromptIds`): what the
+    backend got is the recorded prompt, turn after turn."""
+    cred = gateway.group(1)["sessions"][0]
+    client = gateway.openai(cred)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "count"}]
+    for i in range(5):
+        messages.append({"role": "user", "content": f"step {i}"})
+        fake.script([ids_of(tokenizer, f"ok {i}")])
+        r = client.chat.completions.create(model="m", messages=messages, max_tokens=8)  # type: ignore[arg-type]
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        turn = last_turn(gateway, cred)
+        assert turn["prompt_ids"] == fake.requests[-1]["input_ids"]
+        if i:
+            assert turn["continuity"] == "extends"

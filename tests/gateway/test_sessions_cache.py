@@ -5,9 +5,21 @@ kept turn by turn."""
 from __future__ import annotations
 
 import copy
+from array import array
 from typing import Any
 
-from gateway.sessions_cache import PROMPT_TEXTS_KEPT, SessionView, share_messages, view_from_rows
+import orjson
+
+from gateway.generation import input_ids
+from gateway.sessions_cache import (
+    PROMPT_TEXTS_KEPT,
+    PromptIds,
+    SessionView,
+    ids_json,
+    join_json,
+    share_messages,
+    view_from_rows,
+)
 from gateway.store.store import TurnRow
 from rollway_common.wire import pack
 
@@ -79,3 +91,40 @@ def test_share_messages_only_byte_for_byte() -> None:
     share_messages(reordered, parent)
     assert reordered[1] is not parent[1] and list(reordered[1]) == ["name", "role", "content"]
     assert reordered[2] is not parent[2]  # stops at the first that differs
+
+
+def test_an_extending_prompt_carries_the_json_of_its_ids() -> None:
+    """The prompt sent for a turn that extends its parent is its ids' JSON kept from turn to turn
+    (`PromptIds`): byte for byte what serialising the whole list gives, resubmitted tokens included, whether
+    the parent's JSON was kept or is made from its ids."""
+    view = SessionView(0)
+    full: list[int] = []
+    parent: str | None = None
+    for i in range(12):
+        delta = [i * 1000 + k - 5 for k in range(3 + i)]  # negative ids too: any int32 serialises the same
+        if parent is None:
+            prompt: Any = [*delta]
+        else:
+            if i == 6:
+                view.full_json.clear()  # a view reloaded from the store keeps no JSON: made from the ids
+            prompt = view.extended_prompt(parent, delta)
+            assert prompt.tolist() == [*full, *delta]
+            assert prompt.json == orjson.dumps([*full, *delta])[1:-1]
+            for more in ([], [7], [2**31 - 1, -(2**31)]):
+                payload = {"input_ids": input_ids(prompt, more), "sampling_params": {"max_new_tokens": 3}}
+                expected = {"input_ids": [*full, *delta, *more], "sampling_params": {"max_new_tokens": 3}}
+                assert orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY) == orjson.dumps(expected)
+        completion = [i, i + 1]
+        kept = join_json(prompt.json, ids_json(completion)) if isinstance(prompt, PromptIds) else None
+        view.add(f"t{i}", i + 1, [SYSTEM], {"role": "assistant", "content": str(i)}, None, parent, delta,
+                 completion, full_json=kept)
+        full = [*full, *delta, *completion]
+        parent = f"t{i}"
+    assert len(view.full_json) == PROMPT_TEXTS_KEPT
+    assert view.full_json["t11"] == orjson.dumps(full)[1:-1]
+    empty = SessionView(0)
+    empty.add("a", 1, [SYSTEM], {"role": "assistant", "content": ""}, None, None, [], [])
+    big = [(k * 7919) % 300_000 - 150_000 for k in range(5000)]  # over SMALL_IDS: NumPy's serialisation
+    assert ids_json(array("i", big)) == ids_json(big) == orjson.dumps(big)[1:-1]
+    assert orjson.dumps(input_ids(empty.extended_prompt("a", []), [])) == b"[]"
+    assert orjson.dumps(input_ids(empty.extended_prompt("a", [5]), [6])) == b"[5,6]"
