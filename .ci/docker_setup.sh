@@ -55,7 +55,7 @@ if curl -s -o /dev/null -m 10 https://registry-1.docker.io/v2/; then
   echo "POSTGRES_IMAGE=postgres:17"
 else
   say "Docker Hub not reachable: stand-ins from Debian's packages (docker/local-images.sh)"
-  docker/local-images.sh
+  docker/local-images.sh >&2  # stdout carries only the KEY=VALUE lines below
   echo "BASE_IMAGE=rollway-local/python:3.11-slim"
   echo "POSTGRES_IMAGE=rollway-local/postgres:15"
 fi

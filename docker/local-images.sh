@@ -34,7 +34,9 @@ trap 'rm -rf "$tmp"' EXIT
 if have "$PREFIX/debian:bookworm"; then
   say "$PREFIX/debian:bookworm exists"
 else
-  command -v debootstrap > /dev/null || apt-get install -y debootstrap
+  # Everything but the image names goes to stderr: .ci/docker_setup.sh's stdout is read as KEY=VALUE lines.
+  command -v debootstrap > /dev/null \
+    || apt-get install -y debootstrap >&2 || { apt-get update >&2 && apt-get install -y debootstrap >&2; }
   say "debootstrap bookworm from $MIRROR"
   t0=$(date +%s)
   debootstrap --variant=minbase bookworm "$tmp/root" "$MIRROR" > "$tmp/debootstrap.log" 2>&1 \

@@ -163,7 +163,11 @@ def _stack(tmp_path_factory: pytest.TempPathFactory, stack_lock: contextlib.Exit
     setup = subprocess.run([str(REPO / ".ci" / "docker_setup.sh")], capture_output=True, text=True, timeout=1200)
     print(setup.stderr, flush=True)
     assert setup.returncode == 0, f".ci/docker_setup.sh exited {setup.returncode}"
-    images = dict(line.split("=", 1) for line in setup.stdout.split())
+    # Its stdout is KEY=VALUE lines only; anything else there is a bug in the script (a tool writing to stdout).
+    lines = setup.stdout.split()
+    assert lines and all(re.fullmatch(r"[A-Z_]+=\S+", line) for line in lines), (
+        f".ci/docker_setup.sh printed more than KEY=VALUE lines on stdout: {setup.stdout[-2000:]!r}")
+    images = dict(line.split("=", 1) for line in lines)
     log(f"docker setup: {time.monotonic() - t0:.0f} s; base images {images}")
 
     # Offline build inputs (docker/local/README.md): this machine's CPU torch wheel (pip takes it from its local
