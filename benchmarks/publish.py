@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,12 +132,38 @@ ROWS: dict[str, Callable[[Ctx, int], int]] = {
 }
 
 
-def generating(engines: list[str], version: int) -> None:
-    """Each server answers a /generate with the new version (what an agent would next see)."""
-    for url in engines:
+class Probes:
+    """One `/generate` per server that must answer with the new version (what an agent would next see). Each server
+    is asked on a client kept open across publishes, all at once (`concurrent`, what agents do), or one after the
+    other on a client made for each call (`sequential`: how the figures before 2026-11-28 were taken; making an
+    httpx client loads its TLS context, tens of ms, part of those figures)."""
+
+    def __init__(self, engines: list[str], mode: str) -> None:
+        self.engines, self.mode = engines, mode
+        self.clients = [httpx.Client(timeout=300) for _ in engines]
+        self.pool = ThreadPoolExecutor(len(engines)) if mode == "concurrent" else None
+
+    def __call__(self, version: int) -> None:
+        if self.pool is None:
+            for url in self.engines:
+                self._one(url, None, version)
+            return
+        for f in [self.pool.submit(self._one, url, c, version) for url, c in zip(self.engines, self.clients)]:
+            f.result()
+
+    @staticmethod
+    def _one(url: str, client: httpx.Client | None, version: int) -> None:
         body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-        got = httpx.post(url + "/generate", json=body, timeout=300).json()["meta_info"]["weight_version"]
+        answer = client.post(url + "/generate", json=body) if client is not None else \
+            httpx.post(url + "/generate", json=body, timeout=300)
+        got = answer.json()["meta_info"]["weight_version"]
         assert got == str(version), (url, got, version)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        for c in self.clients:
+            c.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,10 +175,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="publishes of each way first, not counted in the median but shown as 'first' (default 1)")
     ap.add_argument("--bucket-mb", type=float, default=512.0)
     ap.add_argument("--rows", nargs="*", default=list(ROWS))
+    ap.add_argument("--probes", default="concurrent", choices=["concurrent", "sequential"],
+                    help="the servers' first /generate at the new version: all at once on kept clients (default), or "
+                         "one after the other on a fresh client each (the figures before 2026-11-28)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="rollway-bench-publish-"))
     procs = Procs(work)
+    generating: Probes | None = None
     try:
         from engine.tiny_model import create_tiny_model
 
@@ -188,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
         client = GatewayClient(f"http://127.0.0.1:{gw_port}", ADMIN, timeout=600)
         ctx = Ctx(model, source, work / "out", client, engines, max(1, int(args.bucket_mb * (1 << 20))), LiveWeights())
+        generating = Probes(engines, args.probes)
         results: dict[str, dict[str, float]] = {}
         version = 0
         for name in args.rows:  # each way in a block, as a run uses one: see the docstring
@@ -198,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                     next(model.parameters()).add_(1e-3)
                 t0 = time.perf_counter()
                 nbytes = ROWS[name](ctx, version)
-                generating(engines, version)
+                generating(version)
                 seconds = time.perf_counter() - t0
                 row = results.setdefault(name, {"bytes": nbytes, "runs": [], "first": []})
                 row["runs" if rep >= 0 else "first"].append(seconds)  # type: ignore[attr-defined]
@@ -225,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"benchmark": "publish", "size": args.size, "parameters": n_params, "backends": args.backends,
                           "reps": args.reps, "warmup": args.warmup, "bucket_mb": args.bucket_mb, "rows": table}))
     finally:
+        if generating is not None:
+            generating.close()
         procs.stop_all()
         shutil.rmtree(work, ignore_errors=True)
 

@@ -200,8 +200,11 @@ class ProcessGroupSync:
         """Every backend in rotation, and every one out of it that answers /health (it failed, or was added, or
         recovered without the current weights: a whole version brings it back). World size 1 + its TP ranks."""
         candidates = self.publisher.pool.backends()
-        alive = await asyncio.gather(*(b.client.probe() for b in candidates))
-        chosen = [b for b, ok in zip(candidates, alive, strict=True) if b.healthy or ok]
+        # Only those out of rotation are probed: one in rotation is chosen whatever a probe says (a dead one fails
+        # its update and is taken out then), and SGLang's /health is a one-token generation, tens of ms a server.
+        out = [b for b in candidates if not b.healthy]
+        alive = dict(zip(out, await asyncio.gather(*(b.client.probe() for b in out)), strict=True))
+        chosen = [b for b in candidates if b.healthy or alive.get(b, False)]
         return await self._sized(chosen, version, tag)
 
     async def _sized(self, chosen: list[Backend], version: int, tag: str) -> list[Target]:

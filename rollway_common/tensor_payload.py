@@ -87,7 +87,10 @@ def serialize(obj: Any) -> str:
     shared memory (`share_memory_()` after `share_cpu_tensors()`): pickling one that is not would move it there, a
     copy, every time for a fresh tensor."""
     buf = io.BytesIO()
-    _Pickler(buf).dump(obj)
+    if isinstance(obj, dict) and "metadata" in obj:  # SGLang's metadata class, under its own name
+        _Pickler(buf).dump(obj)
+    else:  # named tensors: ForkingPickler itself (the C pickler, ~5x faster over a model's ~150 tensors)
+        ForkingPickler(buf, 4).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from rollway_common.sync_deadline import answer_timeout
 from rollway_common.tensor_payload import FlattenedTensorMetadata, serialize, share_cpu_tensors
@@ -46,8 +47,8 @@ from trainer.client import GatewayClient, GatewayHTTPError
 
 log = logging.getLogger("trainer")
 
-__all__ = ["LiveWeights", "WeightsStillRead", "exposable", "host_id", "payloads", "serialize_bucket", "serialize_named",
-           "share_cpu_tensors", "sync_tensors", "wait_sync_over"]
+__all__ = ["LiveWeights", "WeightsStillRead", "exposable", "host_id", "payloads", "plain_state", "serialize_bucket",
+           "serialize_named", "share_cpu_tensors", "share_in_one", "sync_tensors", "wait_sync_over"]
 
 
 def serialize_bucket(flat: torch.Tensor, names: list[str], shapes: list[list[int]]) -> str:
@@ -163,6 +164,65 @@ def exposable(state: dict[str, torch.Tensor], dtype: torch.dtype, device: str | 
         return False
     return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
                and t.layout == torch.strided for t in state.values())
+
+
+_WRAPPED = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "_fsdp_module")
+
+
+def plain_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The model's state dict as `full_state_dict` gives it, when one trainer rank holds a plain module (no FSDP, no
+    wrapper whose prefix that would strip): `model.state_dict()` itself, detached views of the parameters, ~1 ms
+    against its ~20-40 ms for a 100M model. None otherwise (`full_state_dict` then decides)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return None
+    state = model.state_dict()
+    if any(type(t) is not torch.Tensor for t in state.values()) or any(w in k for k in state for w in _WRAPPED):
+        return None
+    return state
+
+
+def share_in_one(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The exposed weights (`exposable`) moved into shared memory, once: all of them into one shared-memory buffer,
+    each parameter (or buffer) of `model` that `state` names rebound to its slice (`.data`, in place, as
+    `share_memory_()` moves one tensor). A server then opens one file, not one per tensor (each open and mapping cost
+    ~0.15 ms: ~20 ms for a 147-tensor model, every publish, on each server). Returns the state dict over the new
+    memory. Left to the per-tensor way (`serialize_named`) when a tensor of the state is not exactly one of the
+    model's own (a slice of another, or one whose memory other tensors of the model share in another shape)."""
+    if not state or all(t.is_shared() for t in state.values()):
+        return state
+    owners: dict[str, torch.Tensor] = {}
+    for name in state:
+        try:
+            owners[name] = model.get_parameter(name)
+        except AttributeError:
+            try:
+                owners[name] = model.get_buffer(name)
+            except AttributeError:
+                return state
+    same = {n: o for n, o in owners.items() if o.data_ptr() == state[n].data_ptr() and o.shape == state[n].shape}
+    whole = {n: o for n, o in same.items() if o.is_contiguous() and o.storage_offset() == 0
+             and o.untyped_storage().nbytes() == o.numel() * o.element_size()}
+    if len(whole) != len(state):
+        return state
+    by_memory = {}
+    for _, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        by_memory.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    unique = list({o.untyped_storage().data_ptr(): o for o in whole.values()}.values())  # tied: one slice
+    if any(t is not o and (t.shape != o.shape or t.storage_offset() != 0)
+           for o in unique for t in by_memory.get(o.untyped_storage().data_ptr(), [])):
+        return state  # a model tensor that views another one's memory differently: not rebound safely
+    share_cpu_tensors()
+    flat = torch.empty(sum(o.numel() for o in unique), dtype=unique[0].dtype)
+    flat.share_memory_()
+    offset = 0
+    with torch.no_grad():
+        for o in unique:
+            view = flat[offset:offset + o.numel()].view(o.shape)
+            view.copy_(o)
+            for t in by_memory.get(o.untyped_storage().data_ptr(), [o]):
+                t.data = view  # every tensor of the model on that memory (a tied weight is one object, or several)
+            offset += o.numel()
+    return {n: whole[n].detach() for n in state}
 
 
 class LiveWeights:

@@ -252,7 +252,8 @@ class SyncPayload:
     def gather(cls, model: nn.Module, source: str | Path, options: SyncOptions) -> SyncPayload:
         """Collective: the full state dict on rank 0, as the HF export writes it (tied `lm_head.weight` left out,
         in the checkpoint's dtype), cut into buckets."""
-        state = full_state_dict(model)
+        live_tensor = options.live is not None and options.resolved_backend() == "tensor"
+        state = (tensor_sync.plain_state(model) if live_tensor else None) or full_state_dict(model)
         config: Any = model.config
         buckets: list[Bucket] = []
         buffers = None
@@ -266,6 +267,7 @@ class SyncPayload:
             state = state if exposed else {k: v.to(dtype) for k, v in state.items()}
             layout = plan_buckets(state, options.bucket_bytes)
             if exposed and live is not None:  # the weights as they are: no copy (the servers read the parameters)
+                state = tensor_sync.share_in_one(model, state)
                 buckets = [Bucket(names, [list(state[n].shape) for n in names], dtype, None, [state[n] for n in names])
                            for names in layout]
                 payload = cls(buckets, config, source, options, live=live, generation=live.expose())
