@@ -148,7 +148,7 @@ class Probes:
             for url in self.engines:
                 self._one(url, None, version)
             return
-        for f in [self.pool.submit(self._one, url, c, version) for url, c in zip(self.engines, self.clients)]:
+        for f in [self.pool.submit(self._one, url, c, version) for url, c in zip(self.engines, self.clients, strict=True)]:
             f.result()
 
     @staticmethod

@@ -11,8 +11,10 @@ Each entry is what SGLang's `MultiprocessingSerializer.serialize(obj, output_str
 (`srt/weight_sync/tensor_bucket.py`), else a list of `(name, tensor)` pairs. The tensors are not in the body: a
 pickled tensor is a handle to the sender's memory (CUDA IPC on a GPU; on CPU a shared-memory file under torch's
 `file_system` sharing strategy), so only a process on the same machine can open it. This engine is one TP rank: it
-reads entry 0 (as SGLang's rank r reads entry r), copies the tensors into the served model, and drops its mapping
-before it answers, so the sender may free or reuse the memory once the call returns.
+reads entry 0 (as SGLang's rank r reads entry r) and copies the tensors into the served model; it reads nothing of
+the sender's memory once the call answers, so the sender may change, free or reuse it then. A flattened bucket's
+mapping is dropped before the answer; named tensors' (the trainer's parameters, the same memory every publish) stays
+mapped until the next update, which finds it mapped (`_KEPT`).
 
 The payload is unpickled as SGLang's `SafeUnpickler` does it (rollway_common/tensor_payload.py): only tensor, storage
 and dtype rebuilders and SGLang's two metadata classes are allowed; anything else is refused (a pickle is code

@@ -12,10 +12,11 @@ Each payload is SGLang 0.5.23's own format (rollway_common/tensor_payload.py), o
 
 - **the weights themselves** (one trainer rank whose parameters are already what a server loads: on CPU, in the
   checkpoint's dtype): `load_format` unset, a list of `(name, tensor)` pairs whose tensors are the model's own
-  parameters, moved into shared memory once (`share_memory_()`, in place). No gather copy: each server copies
-  straight out of the trainer's memory. `LiveWeights` keeps the next optimizer step from changing them until every
-  server has read them (the publish's paused begin/end session ends first): until the gateway answers, or, when
-  that call fails, says the publish is over (`wait_sync_over`); never, when it does not say (`WeightsStillRead`).
+  parameters, moved into shared memory once, all into one file (`share_in_one`, in place). No gather copy: each
+  server copies straight out of the trainer's memory. `LiveWeights` keeps the next optimizer step from changing
+  them until every server has read them (the publish's paused begin/end session ends first): until the gateway
+  answers, or, when that call fails, says the publish is over (`wait_sync_over`); never, when it does not say
+  (`WeightsStillRead`).
 - **buckets** (otherwise: several ranks, a dtype to cast to, a GPU): as SGLang's `Engine.update_weights_from_tensor`
   callers (verl, slime) build it for `load_format="flattened_bucket"`, `{"flattened_tensor": <the bucket's bytes,
   uint8>, "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel), ...]}`
@@ -23,7 +24,8 @@ Each payload is SGLang 0.5.23's own format (rollway_common/tensor_payload.py), o
   for the process-group path), freed with the process.
 
 A pickled tensor is a handle: a CUDA IPC handle on a GPU, and on CPU the name of a shared-memory file (torch's
-`file_system` sharing strategy). The server drops its mapping before it answers.
+`file_system` sharing strategy). The server reads nothing of it once it answered (`rollway engine` keeps the
+parameters' one file mapped until its next update, which opens the same file: engine/tensor_sync.py `_KEPT`).
 """
 
 from __future__ import annotations
@@ -204,7 +206,7 @@ def share_in_one(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, 
              and o.untyped_storage().nbytes() == o.numel() * o.element_size()}
     if len(whole) != len(state):
         return state
-    by_memory = {}
+    by_memory: dict[int, list[torch.Tensor]] = {}
     for _, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
         by_memory.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     unique = list({o.untyped_storage().data_ptr(): o for o in whole.values()}.values())  # tied: one slice

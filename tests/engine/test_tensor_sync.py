@@ -39,6 +39,30 @@ def _trainer_named(model_dir: str, shift: float, nbytes: int, out: Any, done: An
     done.wait(120)
 
 
+def _trainer_live(model_dir: str, nbytes: int, out: Any, step: Any, done: Any) -> None:
+    """The trainer with one CPU rank: its parameters moved into one shared-memory file, handed out as they are, then
+    changed in place by "a step" and handed out again."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.tensor_sync import plain_state, share_in_one
+    from trainer.weight_sync import plan_buckets
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = plain_state(model)
+    assert state is not None
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    state = share_in_one(model, state)
+    for shift in (0.25, -0.5):
+        with torch.no_grad():
+            for t in state.values():
+                t.add_(shift)
+        out.put([serialize_named(names, [state[n] for n in names]) for names in plan_buckets(state, nbytes)])
+        step.wait(120)
+        step.clear()
+    done.wait(120)
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path) -> Iterator[tuple[LiveServer, Any]]:
     app = create_app(tiny_model_dir, max_batch_size=4)
@@ -110,6 +134,44 @@ def test_named_tensors_from_another_process_land_in_the_model(served: tuple[Live
     for name, t in want.items():
         assert torch.equal(got[name], t), name
     assert httpx.get(server.url + "/get_weight_version").json() == {"weight_version": "8"}
+
+
+def test_the_parameters_mapped_once_are_read_again_at_their_new_values(served: tuple[LiveServer, Any],
+                                                                      tiny_model_dir: Path) -> None:
+    """The trainer's parameters in one shared-memory file, handed out twice with a step between: the engine keeps
+    that file mapped after the first update (`_KEPT`, read by no one between updates), the second finds it mapped,
+    and the model holds exactly what each update handed out."""
+    from engine import tensor_sync
+
+    server, engine = served
+    out, step, done = CTX.Queue(), CTX.Event(), CTX.Event()
+    proc = CTX.Process(target=_trainer_live, args=(str(tiny_model_dir), 40_000, out, step, done), daemon=True)
+    proc.start()
+    kept = []
+    try:
+        for version, shift in (("11", 0.25), ("12", -0.25)):
+            entries = out.get(timeout=120)
+            assert len(entries) > 1
+            assert post(server.url, "/begin_weight_update", {}).json()["success"]
+            for entry in entries:
+                r = post(server.url, "/update_weights_from_tensor", {"serialized_named_tensors": [entry],
+                                                                      "load_format": None})
+                assert r.status_code == 200 and r.json()["success"], r.text
+            assert post(server.url, "/end_weight_update", {}).json()["success"]
+            assert len(tensor_sync._KEPT) == 1  # one file for every parameter
+            kept.append(tensor_sync._KEPT[0].data_ptr())
+            want = trained_state(tiny_model_dir, 0.25)
+            if shift < 0:
+                want = {k: v + -0.5 for k, v in want.items()}
+            got = engine.scheduler.model.state_dict()
+            for name, t in want.items():
+                assert torch.equal(got[name], t), (version, name)
+            step.set()
+    finally:
+        step.set()
+        done.set()
+        proc.join(30)
+    assert kept[0] == kept[1]  # the same mapping: not opened afresh
 
 
 def test_refusals(served: tuple[LiveServer, Any]) -> None:

@@ -143,3 +143,42 @@ def test_weights_that_need_a_cast_are_copied_into_buckets(tiny_model_dir: Path) 
     model.config.dtype = torch.float32
     copied = SyncPayload.gather(model, tiny_model_dir, SyncOptions(backend="tensor", bucket_bytes=50_000))  # no live
     assert copied.live is None and all(b.flat is not None for b in copied.buckets)
+
+
+def test_the_parameters_move_into_one_shared_memory_file_once(tiny_model_dir: Path) -> None:
+    """`share_in_one`: every exposed parameter a slice of one shared-memory buffer (a server opens one file, not one
+    per tensor), values and ties kept; an optimizer step changes them where they are, and the next payload hands out
+    the new values from the same memory."""
+    from trainer.checkpoint import full_state_dict
+    from trainer.tensor_sync import plain_state
+
+    model = _model(tiny_model_dir)
+    state = plain_state(model)
+    assert state is not None
+    full = full_state_dict(model)
+    assert state.keys() == full.keys() and all(state[k].data_ptr() == full[k].data_ptr() for k in state)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    live = LiveWeights()
+    opts = SyncOptions(backend="tensor", bucket_bytes=50_000, live=live)
+    payload = SyncPayload.gather(model, tiny_model_dir, opts)
+    params = dict(model.named_parameters())
+    memory = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(memory) == 1 and all(p.is_shared() for p in model.parameters())
+    assert all(torch.equal(p.detach(), before[n]) for n, p in params.items())
+    if model.config.tie_word_embeddings:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    for b in payload.buckets:
+        assert b.views is not None
+        assert all(t.data_ptr() == params[n].data_ptr() for n, t in zip(b.names, b.views, strict=True))
+    payload.publish(_Gateway(), 1, [], {})  # type: ignore[arg-type]
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.square().mean().backward()
+    live.before_step()
+    opt.step()
+    assert {p.untyped_storage().data_ptr() for p in model.parameters()} == memory  # changed where they are
+    gateway = _Gateway()
+    payload = SyncPayload.gather(model, tiny_model_dir, opts)
+    payload.publish(gateway, 2, [], {})  # type: ignore[arg-type]
+    names = [n for b in payload.buckets for n in b.names]
+    assert all(torch.equal(gateway.read[0][n], params[n].detach()) for n in names)
+    assert any(not torch.equal(gateway.read[0][n], before[n]) for n in names)
