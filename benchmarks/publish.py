@@ -5,8 +5,10 @@
 
 A publish is timed from the end of the trainer's step (the trained model in memory on rank 0's process) to every
 backend generating with the new version: the gather / export, the gateway's pause, the load on each server, the
-continue, and one /generate per server that answers with the new `weight_version`. Real processes: `rollway
-engine` servers (CPU) behind `rollway serve`; the trainer's side runs here (world size 1, gloo).
+continue, and one /generate per server that answers with the new `weight_version` (all servers asked at once, on
+clients kept open, as agents ask them; `--probes sequential`: one after the other on a new client each, as before).
+Real processes: `rollway engine` servers (CPU) behind `rollway serve`; the trainer's side runs here (world size 1,
+gloo).
 
 - disk, fsync:    `export_hf` (safetensors + config + tokenizer, fsync, atomic rename), POST /v1/weights; each
                   server reads the folder (`/update_weights_from_disk`)
@@ -14,8 +16,8 @@ engine` servers (CPU) behind `rollway serve`; the trainer's side runs here (worl
 - process group:  `SyncPayload.gather` + `publish` (trainer/weight_sync.py): POST /v1/weights/sync/init and
                   /v1/weights/sync, one gloo group per server, buckets of --bucket-mb
 - tensor:         `backend="tensor"` (trainer/tensor_sync.py) as the trainer runs it with one rank on CPU: the
-                  parameters themselves moved into shared memory (once, on the first publish), each server handed
-                  their names through `/update_weights_from_tensor` (named tensors) and copying straight out of the
+                  parameters themselves moved into one shared-memory file (once, on the first publish), each server
+                  handed their names through `/update_weights_from_tensor` (named tensors) and copying straight out of the
                   trainer's memory, no gather copy (servers on this machine only); target: <= 0.5x the process group
 - tensor, copied: the same path with the weights first copied into shared-memory buckets (`flattened_bucket`), as it
                   runs with several ranks, a dtype to cast to, or on a GPU
@@ -148,7 +150,9 @@ class Probes:
             for url in self.engines:
                 self._one(url, None, version)
             return
-        for f in [self.pool.submit(self._one, url, c, version) for url, c in zip(self.engines, self.clients, strict=True)]:
+        pending = [self.pool.submit(self._one, url, c, version)
+                   for url, c in zip(self.engines, self.clients, strict=True)]
+        for f in pending:
             f.result()
 
     @staticmethod
@@ -255,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:<24} {sec:>8.3f} {r['bytes'] / 1e6:>8.1f} {r['bytes'] / sec / 1e6:>8.1f} {ratio:>13} "
                   f"{ratio2:>8} {first:>7}")
         print(json.dumps({"benchmark": "publish", "size": args.size, "parameters": n_params, "backends": args.backends,
-                          "reps": args.reps, "warmup": args.warmup, "bucket_mb": args.bucket_mb, "rows": table}))
+                          "reps": args.reps, "warmup": args.warmup, "bucket_mb": args.bucket_mb, "probes": args.probes,
+                          "rows": table}))
     finally:
         if generating is not None:
             generating.close()
