@@ -52,7 +52,10 @@ async def read_turn_body(request: Request, model: type[M], messages: str | None,
         kept = sum(1 for m in data[messages] if type(m) is not dict)
         return kept * 2 >= len(keys)
 
-    body = parse_body(raw, model, precheck, spliced.data if spliced is not None else None)
+    if spliced is not None:
+        body = parse_body(raw, model, precheck, spliced.data, len(spliced.data[messages]) - spliced.reused)
+    else:
+        body = parse_body(raw, model, precheck)
     validated = getattr(body, messages)
     if reuse is not None and keys is not None:
         validated = reuse.keep(keys, validated)
