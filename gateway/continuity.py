@@ -271,7 +271,7 @@ class ParentIndex:
         _, last_in, last_out, last_chain = self._last
         given = list(messages)
         same = 0
-        for a, b in zip(given, last_in):
+        for a, b in zip(given, last_in, strict=False):
             if a is not b:
                 break
             same += 1

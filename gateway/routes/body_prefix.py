@@ -35,8 +35,8 @@ from __future__ import annotations
 import re
 import secrets
 from collections import OrderedDict
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
