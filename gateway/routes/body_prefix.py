@@ -6,27 +6,29 @@ its `messages` array again, byte for byte, then the new messages and the rest of
 body (orjson, ~0.3 ms for a 100k-token session's 300 KB) and keying each decoded message by its JSON again
 (`MessageReuse.swap`, ~0.3 ms) grew the gateway's CPU per call with the session's length.
 
-`BodyPrefixes` keeps, per session, the latest body whose `messages` is its first key, where that array's
-closing bracket is, and the messages validated from it. A new body that starts with the same bytes up to that
-bracket is decoded from what follows them: its messages are the kept models followed by the new ones decoded,
-and the rest of the body is decoded as it is. The result is what decoding the whole body gives (the same keys
-in the same order, the same values; the kept models are what the same JSON validated to): JSON is read left to
-right, so after the same bytes a parser is in the same state, and what follows decodes the same way. Where the
-tail is checked:
+`BodyPrefixes` keeps, per session, the latest body, where its `messages` array opens and closes, and the
+messages validated from it. A new body that starts with the same bytes up to that array's last message is decoded
+from what follows them: its messages are the kept models followed by the new ones decoded, and the rest of the
+body (with the keys before `messages`, the same bytes) is decoded as it is. The result is what decoding the whole
+body gives (the same keys in the same order, the same values; the kept models are what the same JSON validated
+to): JSON is read left to right, so after the same bytes a parser is in the same state, and what follows decodes
+the same way. Where the tail is checked:
 
 - the new messages: `{"messages":[S` + the bytes up to a candidate closing bracket + `]}` must decode to an
   object whose only key is `messages` and whose list starts with `S`, a string random to this process: a
   bracket inside a new message leaves an object or a string open (not valid), a bracket past the true one
   leaves another key in the object, or a later `messages` key whose list does not start with `S`;
-- the rest: `{"messages":[S` + the bytes from that bracket on must decode, with `[S]` still under `messages`
-  (a later `messages` key would replace it in the whole body's decoding too: such a body is decoded whole).
+- the rest: the bytes before the array's opening bracket + `S` + the bytes from the closing one on must decode,
+  with `[S]` under `messages` (a later `messages` key would replace the array in the whole body's decoding: such
+  a body is decoded whole).
 
 Anything else (bytes that differ, a body that is not valid JSON, a check that fails) is decoded whole, as
 before: errors are the whole body's own. Both decodes nest as deep as the body does (orjson's depth limit).
 
-The first body of a session (or one after its history changed) is decoded whole, and its array's closing
-bracket is found the same way, once (the sentinel put before its first message). A client that never sends the same
-bytes again (one that re-serialises differently each call) stops being looked at after `MAX_MISSES` misses.
+The first body of a session with MIN_MESSAGES messages (or one after its history changed) is decoded whole, and
+its array's brackets are found the same way, once (the sentinel put before its first message), the body decoded
+from them compared with the whole decoding. A client that never sends the same bytes again (one that re-serialises
+differently each call) stops being looked at after `MAX_MISSES` misses.
 Memory: the kept bodies, at most MAX_BYTES for the process (least recently used out first).
 """
 
