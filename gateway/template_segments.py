@@ -24,7 +24,7 @@ on the same texts (`ChatTemplate.extension`): only how the texts are computed ch
 
 from __future__ import annotations
 
-from collections import ChainMap
+from collections import ChainMap, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +46,9 @@ REFUSED_NODES = (nodes.Macro, nodes.CallBlock, nodes.Import, nodes.FromImport, n
                  nodes.Block, nodes.FilterBlock, nodes.Scope, nodes.OverlayScope, nodes.EvalContextModifier,
                  nodes.ScopedEvalContextModifier, nodes.ContextReference, nodes.DerivedContextReference,
                  nodes.InternalName, nodes.ImportedName)
+
+HEAD_CACHE = 256
+"""Head texts a renderer keeps (`Renderer.head`): distinct system prompts and tool sets in use at once."""
 
 
 class NotLocal(Exception):
@@ -347,11 +350,39 @@ class Renderer:
 
     def __init__(self, the_plan: Plan) -> None:
         self.plan = the_plan
+        self._heads: OrderedDict[bytes, str] = OrderedDict()
+        """Head texts by what they are rendered from (`_head_key`), for heads that set no variable."""
 
     def head(self, messages: Sequence[Any], variables: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         """The head's text, and the variables the body and the tail see: the render's, then what the head set."""
+        key = self._head_key(messages, variables)
+        if key is not None:
+            hit = self._heads.get(key)
+            if hit is not None:
+                return hit, {**variables, "messages": messages}
         out, exported = _run(self.plan.head, {**variables, "messages": messages})
+        if key is not None and not exported:
+            self._heads[key] = out
+            if len(self._heads) > HEAD_CACHE:
+                try:
+                    self._heads.popitem(last=False)
+                except KeyError:  # another thread emptied it
+                    pass
         return out, {**variables, **exported, "messages": messages}
+
+    def _head_key(self, messages: Sequence[Any], variables: Mapping[str, Any]) -> bytes | None:
+        """What the head's text is a function of, exactly: the template's variables (tools, chat_template_kwargs,
+        special tokens; dict keys in their order, which `tojson` keeps) and the messages it reads by constant index
+        (`Plan.min_messages`, the system prompt in most templates); the head calls nothing impure (`plan`). The
+        sessions of a run share their system prompt and tools: one render of the head serves them all. None (no
+        caching) when the conversation is shorter than that or a value is not JSON."""
+        n = self.plan.min_messages
+        if len(messages) < n:
+            return None
+        try:
+            return orjson.dumps([variables, [messages[i] for i in range(n)]])
+        except (TypeError, orjson.JSONEncodeError):
+            return None
 
     def segments(self, scope: Mapping[str, Any], start: int, end: int) -> str:
         """Segments start .. end - 1 of the conversation `scope["messages"]`."""
