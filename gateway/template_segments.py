@@ -354,7 +354,9 @@ class Renderer:
         """Head texts by what they are rendered from (`_head_key`), for heads that set no variable."""
 
     def head(self, messages: Sequence[Any], variables: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-        """The head's text, and the variables the body and the tail see: the render's, then what the head set."""
+        """The head's text, and the variables the body and the tail see: the render's, then what the head set.
+        The kept texts are shared by the event loop's thread and the prompt workers': each use of them is one
+        call of OrderedDict's C code, whole under the GIL."""
         key = self._head_key(messages, variables)
         if key is not None:
             hit = self._heads.get(key)
