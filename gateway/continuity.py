@@ -243,7 +243,7 @@ class ParentIndex:
     again as it was is not put in canonical form again. Memory: one entry per turn, and the JSON of each
     distinct message once (at most RAW_CACHE_BYTES)."""
 
-    __slots__ = ("_by_id", "_by_key", "_raw", "_raw_bytes")
+    __slots__ = ("_by_id", "_by_key", "_last", "_raw", "_raw_bytes")
 
     def __init__(self) -> None:
         self._by_key: dict[bytes, Candidate] = {}
@@ -254,6 +254,11 @@ class ParentIndex:
         """id of a kept message object -> its digest (the object is alive while kept: the id is its own). A
         request whose messages are the kept objects themselves (the gateway converts a message it saw before
         into the same dict: gateway/routes/message_reuse.py) is digested without serialising them."""
+        self._last: tuple[Any, list[Any], list[Any], list[bytes]] = (None, [], [], [EMPTY_CHAIN])
+        """The list `digests` was given last, its messages then (the objects, kept alive: their ids stay theirs),
+        what it left in their place, and their chain digests: the next request's leading messages that are those objects get the
+        same (a long session's replayed history is the same objects call after call: no JSON and no BLAKE2b for
+        them)."""
 
     def digests(self, messages: Sequence[Any]) -> list[bytes]:
         """The chain digests of `messages` (`chain_digests`), each message's digest from the cache when its
@@ -261,10 +266,22 @@ class ParentIndex:
         its JSON (the same JSON, so the same message): a session's history is then the same objects turn after
         turn, and `gateway.sessions_cache.share_messages` finds them shared by identity."""
         raw = self._raw
-        out = [EMPTY_CHAIN]
         swap = isinstance(messages, list)
         by_id = self._by_id
-        for i, m in enumerate(messages):
+        _, last_in, last_out, last_chain = self._last
+        given = list(messages)
+        same = 0
+        for a, b in zip(given, last_in, strict=False):
+            if a is not b:
+                break
+            same += 1
+        if swap:
+            for i in range(same):
+                if given[i] is not last_out[i]:
+                    messages[i] = last_out[i]  # type: ignore[index]
+        out = last_chain[:same + 1]
+        for i in range(same, len(messages)):
+            m = messages[i]
             known = by_id.get(id(m))
             if known is not None:
                 out.append(chain_step(out[-1], known))
@@ -285,7 +302,16 @@ class ParentIndex:
                 if swap and hit[1] is not m:
                     messages[i] = hit[1]  # type: ignore[index]
             out.append(chain_step(out[-1], digest))
+        self._last = (messages, given, list(messages), out)
         return out
+
+    def shared(self, messages: list[Any]) -> None:
+        """`messages`, the list `digests` was given last, now holds the objects of its parent's messages
+        (`gateway.sessions_cache.share_messages`): the next request's same leading objects get these, so that
+        sharing them again compares nothing (a long session's replies were compared as JSON every call)."""
+        source, given, _, chain = self._last
+        if source is messages:
+            self._last = (source, given, list(messages), chain)
 
     def _keep(self, key: bytes, digest: bytes, message: dict[str, Any]) -> None:
         if self._raw_bytes + len(key) > RAW_CACHE_BYTES:

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 
 from gateway.changes import Changes
 from gateway.errors import ServiceUnavailable
+from gateway.malloc_tuning import keep_heap_top
 from gateway.metrics import Metrics
 from gateway.pool import Backend, BackendPool
 from gateway.registry import Registry
@@ -269,6 +270,7 @@ async def open_services(settings: Settings, *, admin_key: str, serve: bool = Tru
     sweeper = asyncio.create_task(_sweep_idle(store, settings.session_idle_timeout_s))
     follower = asyncio.create_task(registry.follow(settings.health_interval_s))
     _tune_gc()
+    keep_heap_top()
     log.info("gateway started: %d backend(s), context length %d (GET /ready says whether one answers)",
              len(pool.backends()), ctx)
     try:

@@ -56,8 +56,9 @@ def ids_json(ids: Any) -> bytes:
 
 
 def join_json(a: bytes, b: bytes) -> bytes:
-    """Two JSON lists' contents without brackets, one after the other."""
-    return a + b"," + b if a and b else a or b
+    """Two JSON lists' contents without brackets, one after the other (one copy: a long session's prompt JSON is
+    ~600 KB, and a temporary of that size is a fresh mapping to fault in)."""
+    return b",".join((a, b)) if a and b else a or b
 
 
 def share_messages(messages: list[dict[str, Any]], parent: list[dict[str, Any]]) -> None:
@@ -118,8 +119,8 @@ class SessionView:
         while at is not None:
             at, own, _ = self.segments[at]
             parts.append(own)
-        for own in reversed(parts):
-            out.extend(own)
+        parts.reverse()
+        out.frombytes(b"".join(parts))  # one copy: ~40 us for 100k ids, where extending by each turn's was ~100 us
         return out
 
     def completion(self, turn_id: str) -> list[int]:

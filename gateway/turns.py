@@ -355,6 +355,7 @@ class TurnService:
         elif parent is not None:
             n_prev = len(parent.messages)
             share_messages(req.messages, parent.messages)  # the view then keeps each message once
+            view.index.shared(req.messages)
             check = None
             if big and self.chars_per_token is not None:
                 check = functools.partial(self._check_extension, view.lengths[parent.turn_id], self.chars_per_token)

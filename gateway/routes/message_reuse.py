@@ -59,11 +59,18 @@ class MessageReuse:
             keys.append(key)
         return keys
 
-    def keep(self, keys: list[bytes | None], validated: list[Any]) -> None:
-        """Keep the validated models of the messages whose JSON `swap` read."""
+    def keep(self, keys: list[bytes | None], validated: list[Any]) -> list[Any]:
+        """Keep the validated models of the messages whose JSON `swap` read. Returns `validated` with the model
+        kept for each message's JSON in its place (another one was kept for it meanwhile: two sessions sent the
+        same message at once), the models whose conversions are kept (`converted`)."""
         models = self._models
-        for key, model in zip(keys, validated, strict=True):
-            if key is None or key in models:
+        out = list(validated)
+        for i, (key, model) in enumerate(zip(keys, validated, strict=True)):
+            if key is None:
+                continue
+            kept = models.get(key)
+            if kept is not None:
+                out[i] = kept
                 continue
             models[key] = model
             self._dicts.setdefault(id(model), {})
@@ -72,6 +79,7 @@ class MessageReuse:
             old, model = models.popitem(last=False)
             self._bytes -= len(old)
             self._dicts.pop(id(model), None)
+        return out
 
     def converted(self, model: Any, index: int, convert: Callable[[Any, int], dict[str, Any]]) -> dict[str, Any]:
         """`convert(model, index)`, once per kept model and index (a model not kept is converted each time)."""

@@ -21,6 +21,7 @@ from gateway.protocol import (
     note_unknown_fields,
     refuse_unsupported,
 )
+from gateway.routes.body_prefix import BodyPrefixes
 from gateway.routes.common import json_response
 from gateway.routes.message_reuse import MessageReuse
 from gateway.routes.replies import logprobs_content, read_turn_body, run_to_end, usage
@@ -33,6 +34,8 @@ from gateway.turns import TurnRequest, TurnService, tools_for_choice
 _TEXT_PARTS = ("text", "input_text", "output_text")
 REUSE = MessageReuse()
 """Chat messages validated and converted before, by their JSON: an agent's every call replays its history."""
+PREFIXES = BodyPrefixes()
+"""Each session's latest chat body: the next one, replaying it, is decoded from its new bytes."""
 
 
 def content_text(content: Any, param: str) -> str | None:
@@ -107,7 +110,7 @@ def chat_turn_request(body: ChatCompletionRequest, body_bytes: int = 0) -> TurnR
 async def _chat(request: Request, session_id: str | None) -> Response:
     # The key first: a caller without one is answered before any of its body is read or parsed.
     auth = await chat_session(request, session_id)
-    body, size = await read_turn_body(request, ChatCompletionRequest, "messages", REUSE)
+    body, size = await read_turn_body(request, ChatCompletionRequest, "messages", REUSE, PREFIXES, auth.id)
     note_unknown_fields(body, "chat.completions")
     refuse_unsupported(body, CHAT_REFUSED)
     turns: TurnService = serving(request).turns

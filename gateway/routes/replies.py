@@ -13,6 +13,7 @@ from fastapi import Request
 from gateway import disconnect
 from gateway.errors import BadRequest
 from gateway.generation import Generation
+from gateway.routes.body_prefix import BodyPrefixes
 from gateway.routes.common import M, parse_body, read_raw_body
 from gateway.routes.message_reuse import MessageReuse
 from gateway.services import services
@@ -21,21 +22,27 @@ from gateway.turns import FinishedTurn, PreparedTurn, TurnService
 
 
 async def read_turn_body(request: Request, model: type[M], messages: str | None,
-                         reuse: MessageReuse | None = None) -> tuple[M, int]:
+                         reuse: MessageReuse | None = None, prefixes: BodyPrefixes | None = None,
+                         session: str | None = None) -> tuple[M, int]:
     """The body of an OpenAI call (read after its key was checked) and its size in bytes. `messages` names
     the list counted against `max_messages` (and `tools` against `max_tools`; None: neither, a completion
     has no such lists) on the decoded JSON, before validation: validating 230k messages (7 MB) took 3 s of
-    the event loop. `reuse`: that list's messages seen before are not validated again (`MessageReuse`)."""
+    the event loop. `reuse`: that list's messages seen before are not validated again (`MessageReuse`).
+    `prefixes` (chat `messages` only), with the caller's `session`: a body that replays the session's previous
+    one byte for byte is decoded from its new bytes (`BodyPrefixes`)."""
     raw = await read_raw_body(request)
     if messages is None:
         return parse_body(raw, model), len(raw)
     settings: Settings = services(request).settings
     keys: list[bytes | None] | None = None
+    spliced = prefixes.decode(session, raw) if prefixes is not None and session is not None else None
+    seen: dict[str, Any] | None = None
 
     def precheck(data: dict[str, Any]) -> bool:
         """True (walk the body without scanning its bytes) when most of its messages were handed over as
         models validated before: what is left to walk is small (`check_json_shape`)."""
-        nonlocal keys
+        nonlocal keys, seen
+        seen = data
         check_counts(data, settings, messages)
         if reuse is None:
             return False
@@ -45,9 +52,15 @@ async def read_turn_body(request: Request, model: type[M], messages: str | None,
         kept = sum(1 for m in data[messages] if type(m) is not dict)
         return kept * 2 >= len(keys)
 
-    body = parse_body(raw, model, precheck)
+    if spliced is not None:
+        body = parse_body(raw, model, precheck, spliced.data, len(spliced.data[messages]) - spliced.reused)
+    else:
+        body = parse_body(raw, model, precheck)
+    validated = getattr(body, messages)
     if reuse is not None and keys is not None:
-        reuse.keep(keys, getattr(body, messages))
+        validated = reuse.keep(keys, validated)
+    if prefixes is not None and session is not None and seen is not None:
+        prefixes.keep(session, raw, seen, validated, spliced)
     return body, len(raw)
 
 
