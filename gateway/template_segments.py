@@ -24,6 +24,7 @@ on the same texts (`ChatTemplate.extension`): only how the texts are computed ch
 
 from __future__ import annotations
 
+from collections import ChainMap, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,9 @@ REFUSED_NODES = (nodes.Macro, nodes.CallBlock, nodes.Import, nodes.FromImport, n
                  nodes.Block, nodes.FilterBlock, nodes.Scope, nodes.OverlayScope, nodes.EvalContextModifier,
                  nodes.ScopedEvalContextModifier, nodes.ContextReference, nodes.DerivedContextReference,
                  nodes.InternalName, nodes.ImportedName)
+
+HEAD_CACHE = 256
+"""Head texts a renderer keeps (`Renderer.head`): distinct system prompts and tool sets in use at once."""
 
 
 class NotLocal(Exception):
@@ -274,9 +278,38 @@ def plan(environment: Any, source: str) -> Plan:
                 checker.min_messages)
 
 
+def new_context(template: Any, variables: Mapping[str, Any]) -> Any:
+    """`template.new_context(dict(variables))`, the context `Template.render` makes, without its cost: Jinja merges
+    the template's globals, a ChainMap of an empty dict and the environment's, key by key through ChainMap's Python
+    `__getitem__`, each read of the environment's raising and catching a KeyError in the empty map first (~70k
+    instructions a render, more than a short template's own work). The same dict, made by dict updates, in the
+    same order (the variables win over the globals); the context's `globals_keys`, which only `Template.module`
+    reads, is left empty."""
+    found = template.globals
+    parent: dict[str, Any] = {}
+    if isinstance(found, ChainMap):
+        for mapping in reversed(found.maps):
+            parent.update(mapping)
+    else:
+        parent.update(found)
+    parent.update(variables)
+    env = template.environment
+    return env.context_class(env, parent, template.name, template.blocks)
+
+
+def render(template: Any, variables: Mapping[str, Any]) -> str:
+    """`template.render(variables)` with `new_context`."""
+    context = new_context(template, variables)
+    try:
+        return str(template.environment.concat(template.root_render_func(context)))
+    except Exception:
+        template.environment.handle_exception()  # re-raises, with the template's lines in the traceback
+        raise
+
+
 def _run(template: Any, variables: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """The template's output and the variables it set at top level (its exports)."""
-    context = template.new_context(dict(variables))
+    context = new_context(template, variables)
     out = template.environment.concat(template.root_render_func(context))
     return out, context.get_exported()
 
@@ -317,11 +350,41 @@ class Renderer:
 
     def __init__(self, the_plan: Plan) -> None:
         self.plan = the_plan
+        self._heads: OrderedDict[bytes, str] = OrderedDict()
+        """Head texts by what they are rendered from (`_head_key`), for heads that set no variable."""
 
     def head(self, messages: Sequence[Any], variables: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-        """The head's text, and the variables the body and the tail see: the render's, then what the head set."""
+        """The head's text, and the variables the body and the tail see: the render's, then what the head set.
+        The kept texts are shared by the event loop's thread and the prompt workers': each use of them is one
+        call of OrderedDict's C code, whole under the GIL."""
+        key = self._head_key(messages, variables)
+        if key is not None:
+            hit = self._heads.get(key)
+            if hit is not None:
+                return hit, {**variables, "messages": messages}
         out, exported = _run(self.plan.head, {**variables, "messages": messages})
+        if key is not None and not exported:
+            self._heads[key] = out
+            if len(self._heads) > HEAD_CACHE:
+                try:
+                    self._heads.popitem(last=False)
+                except KeyError:  # another thread emptied it
+                    pass
         return out, {**variables, **exported, "messages": messages}
+
+    def _head_key(self, messages: Sequence[Any], variables: Mapping[str, Any]) -> bytes | None:
+        """What the head's text is a function of, exactly: the template's variables (tools, chat_template_kwargs,
+        special tokens; dict keys in their order, which `tojson` keeps) and the messages it reads by constant index
+        (`Plan.min_messages`, the system prompt in most templates); the head calls nothing impure (`plan`). The
+        sessions of a run share their system prompt and tools: one render of the head serves them all. None (no
+        caching) when the conversation is shorter than that or a value is not JSON."""
+        n = self.plan.min_messages
+        if len(messages) < n:
+            return None
+        try:
+            return orjson.dumps([variables, [messages[i] for i in range(n)]])
+        except (TypeError, orjson.JSONEncodeError):
+            return None
 
     def segments(self, scope: Mapping[str, Any], start: int, end: int) -> str:
         """Segments start .. end - 1 of the conversation `scope["messages"]`."""

@@ -23,12 +23,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jinja2.runtime import LoopContext
+
 from gateway.continuity import drop_none
 from gateway.encoding import CachedEncoder
 from gateway.errors import BadRequest
 from gateway.model_formats import ModelFormats, detect
 from gateway.settings import RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
-from gateway.template_segments import LazyMessages, NotLocal, RenderCut, Renderer, inputs_json, plan
+from gateway.template_segments import LazyMessages, NotLocal, RenderCut, Renderer, inputs_json, plan, render
 from gateway.tool_parsers import (
     ParsedReply,
     ReasoningParser,
@@ -60,6 +62,9 @@ def _compiled(template: str) -> Any:
 
 
 _DICT_ATTRIBUTES = frozenset(dir(dict))
+_LOOP_NUMBERS = frozenset({"index0", "index", "revindex0", "revindex", "first", "last", "length", "depth", "depth0"})
+"""A `for` loop's counters (ints and bools): the sandbox's checks of them (not private, not internal, not a mutating
+method, not `str.format`) always pass, so the fast read returns what it returns."""
 
 
 def dict_attributes_fast(env: Any) -> None:
@@ -67,17 +72,21 @@ def dict_attributes_fast(env: Any) -> None:
     first: its `getattr` tries the attribute, and a dict has none by a message's keys, so every such read built and
     caught an exception (~50 a chat call of the gateway benchmark, ~7% of the gateway's instructions). The answer
     is the sandbox's own: a name a dict has as an attribute (`items`, `__class__`) still goes its way; any other is
-    the dict's item, or undefined when it has none, which is where the sandbox's AttributeError led."""
+    the dict's item, or undefined when it has none, which is where the sandbox's AttributeError led. A loop's
+    counters (`loop.first`, `loop.index0`: four reads a message in Qwen's template) are read directly too."""
     if getattr(env, "_dict_attributes_fast", False):
         return
     sandboxed = env.getattr
 
     def getattr_(obj: Any, attribute: str) -> Any:
-        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+        kind = type(obj)
+        if kind is dict and attribute not in _DICT_ATTRIBUTES:
             try:
                 return obj[attribute]
             except (TypeError, LookupError):
                 return env.undefined(obj=obj, name=attribute)
+        if kind is LoopContext and attribute in _LOOP_NUMBERS:
+            return getattr(obj, attribute)
         return sandboxed(obj, attribute)
 
     env.getattr = getattr_
@@ -283,8 +292,8 @@ class ChatTemplate:
         # What apply_chat_template renders (special tokens as variables, then the caller's kwargs), without
         # its copy of every input into plain types: ours are plain JSON already. A third less time a render.
         variables = {**self._variables, **kwargs} if kwargs else self._variables
-        return str(compiled.render(messages=hf_messages, tools=hf_tools, documents=None,
-                                   add_generation_prompt=add_generation_prompt, **variables))
+        return render(compiled, {**variables, "messages": hf_messages, "tools": hf_tools, "documents": None,
+                                 "add_generation_prompt": add_generation_prompt})
 
     def _encode(self, text: str, marked: bool) -> list[int]:
         return self._encoder.encode_marked(text) if marked else self._encoder.encode(text)

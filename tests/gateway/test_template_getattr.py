@@ -21,11 +21,18 @@ CASES = [
     "{% for c in m.tool_calls %}{{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}",
     "{{ m.nested.deeper.deepest }} {{ m.nested['deeper'].deepest }} {{ m.nested.nothing is defined }}",
     "{{ om.role }} {{ om.items is defined }}",  # not a plain dict: the sandbox's way
+    # a loop's counters, read directly; its other names (methods, items, private ones) the sandbox's way
+    "{% for x in xs %}{{ loop.index0 }}{{ loop.index }}{{ loop.first }}{{ loop.last }}{{ loop.length }}"
+    "{{ loop.revindex }}{{ loop.revindex0 }}{{ loop.depth }}{{ loop.depth0 }}{{ loop.cycle('a', 'b') }}"
+    "{{ loop.previtem }}{{ loop.nextitem }}{{ loop._length is defined }}{{ loop.nothing is defined }}{% endfor %}",
+    "{% for x in tree recursive %}{{ loop.depth }}{{ loop.first }}[{{ loop(x.c) }}]{% endfor %}",
 ]
 VALUES: dict[str, Any] = {
     "m": {"role": "user", "content": "hi", "items": "an item", "_private": "p", "tool_calls": [
         {"function": {"name": "f", "arguments": {"a": 1}}}], "nested": {"deeper": {"deepest": 3}}},
     "om": OrderedDict(role="tool"),
+    "xs": ["a", "b", "c"],
+    "tree": [{"c": [{"c": []}, {"c": [{"c": []}]}]}, {"c": []}],
 }
 
 

@@ -191,3 +191,26 @@ def test_what_the_proof_does_not_cover_renders_whole() -> None:
     # a cut of another conversation length
     assert ct._by_segments([*prev, *forged], [{"role": "user", "content": "x"}], TOOLS, None, text, cut) is None
     assert _renderer(CHATML_TOOLS_TEMPLATE) is not None and _renderer(LLAMA31_TEMPLATE) is None
+
+
+def test_heads_are_kept_by_what_they_read() -> None:
+    """A head that sets no variable is rendered once per system prompt, tools and variables (`Renderer.head`); one
+    that sets some runs every time, its variables going on to the body."""
+    source = ("{%- if messages[0].role == 'system' %}[{{ messages[0].content }}]{%- endif %}{{ tools | tojson }}"
+              + LOOP_HEAD + "{{ message.content }}" + LOOP_TAIL)
+    renderer = Renderer(_plan(source))
+    variables = {"tools": TOOLS, "documents": None}
+    a = [{"role": "system", "content": "A"}, {"role": "user", "content": "u"}]
+    b = [{"role": "system", "content": "B"}, {"role": "user", "content": "u"}]
+    tools_json = _compiled(source).environment.filters["tojson"](TOOLS)
+    for _ in range(2):
+        assert renderer.head(a, variables)[0] == f"[A]{tools_json}"
+        assert renderer.head([*a, {"role": "user", "content": "more"}], variables)[0] == f"[A]{tools_json}"
+        assert renderer.head(b, variables)[0] == f"[B]{tools_json}"
+        assert renderer.head(a, {**variables, "tools": None})[0] == "[A]null"
+    assert len(renderer._heads) == 3
+    setting = Renderer(_plan("{%- set sys = messages[0].content %}" + LOOP_HEAD + "{{ sys }}" + LOOP_TAIL))
+    for messages in (a, b, a):
+        head, scope = setting.head(messages, variables)
+        assert head == "" and scope["sys"] == messages[0]["content"]
+    assert not setting._heads
