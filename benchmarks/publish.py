@@ -136,8 +136,9 @@ ROWS: dict[str, Callable[[Ctx, int], int]] = {
 
 class Probes:
     """One `/generate` per server that must answer with the new version (what an agent would next see). Each server
-    is asked on a client kept open across publishes, all at once (`concurrent`, what agents do), or one after the
-    other on a client made for each call (`sequential`: how the figures before 2026-11-28 were taken; making an
+    is asked on a client kept open across publishes, all at once (`concurrent`, what agents do), one after the other
+    on those kept clients (`in-turn`), or one after the other on a client made for each call (`sequential`: how the
+    figures before 2026-11-28 were taken; making an
     httpx client loads its TLS context, tens of ms, part of those figures)."""
 
     def __init__(self, engines: list[str], mode: str) -> None:
@@ -147,8 +148,8 @@ class Probes:
 
     def __call__(self, version: int) -> None:
         if self.pool is None:
-            for url in self.engines:
-                self._one(url, None, version)
+            for url, c in zip(self.engines, self.clients, strict=True):
+                self._one(url, c if self.mode == "in-turn" else None, version)
             return
         pending = [self.pool.submit(self._one, url, c, version)
                    for url, c in zip(self.engines, self.clients, strict=True)]
@@ -179,9 +180,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="publishes of each way first, not counted in the median but shown as 'first' (default 1)")
     ap.add_argument("--bucket-mb", type=float, default=512.0)
     ap.add_argument("--rows", nargs="*", default=list(ROWS))
-    ap.add_argument("--probes", default="concurrent", choices=["concurrent", "sequential"],
-                    help="the servers' first /generate at the new version: all at once on kept clients (default), or "
-                         "one after the other on a fresh client each (the figures before 2026-11-28)")
+    ap.add_argument("--probes", default="concurrent", choices=["concurrent", "in-turn", "sequential"],
+                    help="the servers' first /generate at the new version: all at once on kept clients (default), one "
+                         "after the other on kept clients (in-turn), or one after the other on a fresh client each "
+                         "(sequential: the figures before 2026-11-28)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="rollway-bench-publish-"))

@@ -51,6 +51,9 @@ MAX_MISSES = 2
 """A session whose kept body did not prefix its next one this many times in a row is no longer looked at."""
 MAX_TRIES = 64
 """Closing brackets tried from the end of a body's tail (the rest of the body holds few; a bound all the same)."""
+MAX_DECODED = 4
+"""The bytes the tries may decode, in multiples of the body's: a tail with many closing brackets after its
+messages (crafted or not) is decoded whole after that, so a body never costs more than a few whole decodes."""
 
 _MESSAGES_KEY = re.compile(rb'"messages"[ \t\r\n]*:[ \t\r\n]*\[')
 _SENTINEL = orjson.dumps(secrets.token_hex(16))
@@ -98,6 +101,7 @@ def _split(lead: bytes | memoryview, tail: bytes, first_guess: int | None,
     (sentinel first) are the expected ones."""
     tried = 0
     at = len(tail)
+    budget = MAX_DECODED * (len(lead) + len(tail))
     guesses = [first_guess] if first_guess is not None and 0 <= first_guess < len(tail) else []
     while tried < MAX_TRIES:
         if guesses:
@@ -112,9 +116,15 @@ def _split(lead: bytes | memoryview, tail: bytes, first_guess: int | None,
             if j == first_guess:
                 continue
         tried += 1
+        budget -= len(lead) + len(tail) - j
+        if budget < 0:
+            return None
         data = _loads(lead, _SENTINEL, tail[j:])
         if type(data) is not dict or data.get("messages") != [_SENTINEL_STR]:
             continue  # not valid, or a later `messages` key
+        budget -= j
+        if budget < 0:
+            return None
         head = _loads(_OPEN, tail[:j], b"]}")
         if type(head) is not dict or len(head) != 1:
             continue  # not valid, or keys after the array: the bracket is past the array's own

@@ -152,3 +152,24 @@ def test_the_heap_top_is_kept_on_glibc() -> None:
         assert keep_heap_top() is True
     else:
         assert keep_heap_top() is False
+
+
+def test_a_tail_with_many_closing_brackets_costs_a_few_whole_decodes_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a body after the kept one whose new message holds a hundred `]` and whose rest is not JSON: every `]` is a
+    # candidate end of the messages and none fits; the tries stop at MAX_DECODED whole bodies' bytes
+    import gateway.routes.body_prefix as bp
+
+    prefixes, prefix = _kept_prefix()
+    decoded_bytes = 0
+    loads = bp._loads
+
+    def counting(*parts: bytes | memoryview) -> Any:
+        nonlocal decoded_bytes
+        decoded_bytes += sum(len(p) for p in parts)
+        return loads(*parts)
+
+    monkeypatch.setattr(bp, "_loads", counting)
+    content = b"]" + b"x" * 3000
+    raw = prefix + b',{"role":"user","content":"' + content * 100 + b'"}],"model":tiny}'  # not JSON: no end fits
+    assert prefixes.decode("s", raw) is None
+    assert decoded_bytes <= (bp.MAX_DECODED + 1) * len(raw)
