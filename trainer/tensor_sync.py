@@ -210,6 +210,8 @@ def share_in_one(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, 
     for _, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
         by_memory.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     unique = list({o.untyped_storage().data_ptr(): o for o in whole.values()}.values())  # tied: one slice
+    if len({o.dtype for o in unique}) != 1:
+        return state  # one buffer holds one dtype: copying another into it would cast the model's tensor
     if any(t is not o and (t.shape != o.shape or t.storage_offset() != 0)
            for o in unique for t in by_memory.get(o.untyped_storage().data_ptr(), [])):
         return state  # a model tensor that views another one's memory differently: not rebound safely

@@ -182,3 +182,15 @@ def test_the_parameters_move_into_one_shared_memory_file_once(tiny_model_dir: Pa
     names = [n for b in payload.buckets for n in b.names]
     assert all(torch.equal(gateway.read[0][n], params[n].detach()) for n in names)
     assert any(not torch.equal(gateway.read[0][n], before[n]) for n in names)
+
+
+def test_share_in_one_leaves_a_model_of_mixed_dtypes_as_it_is() -> None:
+    # one shared buffer holds one dtype: a float64 buffer beside float32 weights is not cast into it
+    from trainer.tensor_sync import share_in_one
+
+    model = torch.nn.Linear(4, 3)
+    model.register_buffer("scale", torch.ones(3, dtype=torch.float64))
+    state = model.state_dict()
+    got = share_in_one(model, state)
+    assert got is state
+    assert model.get_buffer("scale").dtype == torch.float64 and model.weight.dtype == torch.float32
