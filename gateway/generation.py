@@ -25,7 +25,7 @@ import orjson
 from gateway.adapters import missing, out_of_sync, route_adapter
 from gateway.errors import BadRequest, ServiceUnavailable
 from gateway.pool import Backend, BackendPool, NoBackendAvailable
-from gateway.sessions_cache import PromptIds, ids_json
+from gateway.sessions_cache import PromptIds, ids_json, join_json
 from gateway.sglang import BackendRejected, BackendUnavailable
 from gateway.store.store import unique_id
 
@@ -48,9 +48,7 @@ def input_ids(prompt: Sequence[int], more: list[int]) -> Any:
     (orjson.Fragment: the same bytes as serialising the ids, without doing so); another int32 array as a NumPy
     view of it, which the SGLang client serialises without making a Python int of each id (OPT_SERIALIZE_NUMPY)."""
     if isinstance(prompt, PromptIds):
-        tail = ids_json(more)
-        return orjson.Fragment(b"".join((b"[", prompt.json, b",", tail, b"]") if prompt.json and tail
-                                        else (b"[", prompt.json or tail, b"]")))
+        return orjson.Fragment(join_json(prompt.json, ids_json(more), bracket=True))
     if isinstance(prompt, array):
         ids = np.frombuffer(prompt, dtype=np.int32)
         return np.concatenate([ids, np.asarray(more, dtype=np.int32)]) if more else ids

@@ -55,10 +55,12 @@ def ids_json(ids: Any) -> bytes:
     return orjson.dumps(ids.tolist() if isinstance(ids, array) else ids)[1:-1]
 
 
-def join_json(a: bytes, b: bytes) -> bytes:
-    """Two JSON lists' contents without brackets, one after the other (one copy: a long session's prompt JSON is
-    ~600 KB, and a temporary of that size is a fresh mapping to fault in)."""
-    return b",".join((a, b)) if a and b else a or b
+def join_json(a: bytes, b: bytes, bracket: bool = False) -> bytes:
+    """Two JSON lists' contents without brackets, one after the other, or with `bracket` as one JSON list (one
+    copy either way: a long session's prompt JSON is ~600 KB, and a temporary of that size is a fresh mapping to
+    fault in)."""
+    parts = (a, b"," if a and b else b"", b)
+    return b"".join((b"[", *parts, b"]") if bracket else parts)
 
 
 def share_messages(messages: list[dict[str, Any]], parent: list[dict[str, Any]]) -> None:
