@@ -42,6 +42,8 @@ class _Connection(asyncio.Protocol):
         self.answered = False
         """Whether any byte of the current answer arrived."""
         self.reusable = True
+        self.lost = False
+        """Whether connection_lost ran: a write now raises RuntimeError (uvloop) or is dropped unanswered (asyncio)."""
         self.idle_since = 0.0
 
     # -- asyncio.Protocol --
@@ -61,6 +63,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.reusable = False
+        self.lost = True
         self._fail(exc or ConnectionResetError("the server closed the connection"))
 
     # -- httptools callbacks --
@@ -143,7 +146,8 @@ class Http1Client:
         now = asyncio.get_running_loop().time()
         while self._idle:
             conn = self._idle.pop()  # the most recently used: the least likely to be stale
-            if conn.reusable and now - conn.idle_since < self.idle_timeout:
+            usable = conn.reusable and conn.transport is not None and not conn.transport.is_closing()
+            if usable and now - conn.idle_since < self.idle_timeout:
                 return conn
             if conn.transport is not None:
                 conn.transport.close()
@@ -158,6 +162,10 @@ class Http1Client:
 
     async def _exchange(self, conn: _Connection, request: bytes, timeout: float | None) -> tuple[int, bytes]:
         assert conn.transport is not None
+        if conn.lost or conn.transport.is_closing():
+            # Lost between connecting and now (a server killed after its kernel accepted): nothing would answer.
+            conn.transport.close()
+            raise ConnectionResetError("the server closed the connection before the request was sent")
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[tuple[int, bytes]] = loop.create_future()
         conn.waiter, conn.status, conn.body, conn.answered = waiter, 0, [], False

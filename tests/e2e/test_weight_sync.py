@@ -64,6 +64,13 @@ def _greedy(url: str) -> Any:
     return out["output_ids"], out["meta_info"]["weight_version"]
 
 
+def _logged_errors(log: Path) -> str:
+    """The gateway's logged tracebacks ("unexpected error" and what follows), for a failure's message."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    starts = [i for i, line in enumerate(lines) if "unexpected error" in line or "Traceback" in line]
+    return "\n".join("\n".join(lines[i:i + 40]) for i in starts[:3]) or "(no traceback in the gateway's log)"
+
+
 def _wait(cond: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -139,7 +146,7 @@ def test_publish_over_process_groups_survives_a_killed_engine(tmp_path: Path, ti
         assert not backends[urls["b"]]["healthy"]
         assert _greedy(urls["a"])[1] == "1"
         time.sleep(2)
-        assert errors == [], errors[:5]
+        assert errors == [], (errors[:5], _logged_errors(homes["gateway"] / "gateway.log"))
 
         # B again, on its starting weights: kept out of rotation until the next publish brings it a whole version.
         engines["b"] = _engine(homes["b"], homes["trainer"], ports["b"])
@@ -156,7 +163,7 @@ def test_publish_over_process_groups_survives_a_killed_engine(tmp_path: Path, ti
         stop.set()
         for t in agents:
             t.join(120)
-        assert errors == [], errors[:5]
+        assert errors == [], (errors[:5], _logged_errors(homes["gateway"] / "gateway.log"))
         turns = [t for c in talkers for t in admin.get(f"/v1/sessions/{c['session_id']}").json()["turns"]]
         versions = {v for t in turns for v in t["versions"]}
         assert versions <= {0, 1, 2} and {1, 2} <= versions

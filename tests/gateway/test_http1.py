@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -185,3 +186,40 @@ async def test_a_reused_connection_that_dies_late_is_not_retried(serve: Serve) -
     with pytest.raises(ConnectionError):
         await task
     assert server.requests == [b"a", b"b"] and server.connections == 1
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_new_connection_lost_before_the_request_is_written_is_a_connection_error(loop: str) -> None:
+    # The server accepted (the kernel did) and died before the request went out: its connection_lost ran while the
+    # caller waited to be resumed after connecting. Writing then raises RuntimeError on uvloop (the handle is
+    # closed) and is dropped silently on asyncio's loop (an answer awaited until the timeout): both must be a
+    # prompt ConnectionError, which the gateway's pool takes for an unavailable backend.
+    async def scenario() -> None:
+        async def die(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.transport.abort()  # RST: what a SIGKILLed server's socket sends
+
+        srv = await asyncio.start_server(die, "127.0.0.1", 0)
+        client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+        connect = client._connect
+
+        async def connect_then_lose() -> Any:
+            conn = await connect()
+            for _ in range(200):
+                if conn.lost:
+                    break
+                await asyncio.sleep(0.01)
+            assert conn.lost
+            return conn
+
+        client._connect = connect_then_lose  # type: ignore[method-assign]
+        try:
+            with pytest.raises(ConnectionError):
+                await asyncio.wait_for(client.post("/", b"a", timeout=30), 5)
+        finally:
+            srv.close()
+
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        uvloop.run(scenario())
+    else:
+        asyncio.run(scenario())
