@@ -24,7 +24,8 @@ from gateway.generation import Generation, generate
 from gateway.pool import BackendPool
 from gateway.services import services, serving
 from gateway.sglang import BackendError
-from gateway.turns import FinishedTurn, PreparedTurn, TurnService
+from gateway.turn_types import FinishedTurn, PreparedTurn
+from gateway.turns import TurnService
 
 log = logging.getLogger("rollway.gateway")
 

@@ -17,13 +17,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import orjson
@@ -32,15 +30,23 @@ from gateway.continuity import Candidate
 from gateway.errors import BadRequest, Conflict, ContextLengthExceeded
 from gateway.generation import Generation
 from gateway.metrics import Metrics
+from gateway.prompt_limits import max_chars_per_token
 from gateway.sessions_cache import PromptIds, SessionCache, SessionView, ids_json, join_json, share_messages
 from gateway.store.models import TurnRecord
 from gateway.store.requests import delta, shared_prefix
 from gateway.store.store import SessionAuth, Store, unique_id
 from gateway.template_segments import RenderCut
 from gateway.templating import ChatTemplate
-from gateway.tool_grammar import ForcedTools, resolve_tool_choice, structural_tag
+from gateway.tool_grammar import structural_tag
 from gateway.tool_parsers import ParsedReply, ReplyParser
-from rollway_common.json_schema_check import unsupported_reason
+from gateway.turn_types import (
+    FinishedTurn,
+    PreparedTurn,
+    TurnRequest,
+    caller_param,
+    check_json_schema,
+    session_full,
+)
 from rollway_common.wire import pack
 
 T = TypeVar("T")
@@ -51,60 +57,6 @@ ms at most, less than a stall anyone notices, and the hot path pays nothing: one
 PROMPT_WORKERS = 2
 """Threads for big prompts: one huge prompt does not hold up every other big one, and hostile ones take at
 most two cores' worth of tokenizing beside the event loop."""
-NFC_MAX_EXPANSION = 4
-"""No character's canonical decomposition is longer than 4 code points (U+1F82 and friends; checked against
-Python's Unicode database in tests/gateway/test_limits.py). As NFD(s) == NFD(NFC(s)) and NFD never
-shortens a text, NFC leaves at least a quarter of a text's characters."""
-
-
-def max_chars_per_token(tokenizer: Any) -> int | None:
-    """The most characters of input text one token can stand for, where that is provable; else None.
-
-    Provable for byte-level BPE (GPT-2, Llama 3, Qwen): the ByteLevel pre-tokenizer turns each byte of the
-    normalized text into one symbol; with all 256 symbols in the vocabulary none is unknown or dropped, so
-    the tokens together cover every byte, and one token covers at most as many bytes (so characters) as its
-    vocabulary string has symbols. An added token covers its own text. Normalization may shorten the text:
-    none is allowed, or NFC (at most NFC_MAX_EXPANSION characters become one). The pre-tokenizers allowed
-    only split (none removes text). Anything else (SentencePiece, WordPiece, other normalizers, a slow
-    tokenizer): None, and every prompt is tokenized before it is measured."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or type(backend.model).__name__ != "BPE":
-        return None
-    model = backend.model
-    if getattr(model, "continuing_subword_prefix", None) or getattr(model, "end_of_word_suffix", None):
-        return None  # symbols after the first are looked up with an affix: they could be unknown
-    factor = 1
-    if backend.normalizer is not None:
-        if json.loads(backend.normalizer.__getstate__()).get("type") != "NFC":
-            return None
-        factor = NFC_MAX_EXPANSION
-    if backend.pre_tokenizer is None or not _only_splits_to_bytes(json.loads(backend.pre_tokenizer.__getstate__())):
-        return None
-    from tokenizers import pre_tokenizers
-
-    vocab = tokenizer.get_vocab()  # with the added tokens
-    if not all(symbol in vocab for symbol in pre_tokenizers.ByteLevel.alphabet()):
-        return None
-    return factor * max(map(len, vocab))
-
-
-def _only_splits_to_bytes(node: dict[str, Any]) -> bool:
-    """A pre-tokenizer made of splits that keep every character, with a ByteLevel in it."""
-    found = False
-
-    def ok(n: dict[str, Any]) -> bool:
-        nonlocal found
-        kind = n.get("type")
-        if kind == "Sequence":
-            return all(ok(child) for child in n.get("pretokenizers", []))
-        if kind == "ByteLevel":
-            found = True
-            return True
-        if kind in ("Split", "Punctuation"):
-            return n.get("behavior") != "Removed"
-        return kind == "Digits"
-
-    return ok(node) and found
 
 
 def _thread_template(template: ChatTemplate) -> ChatTemplate:
@@ -120,76 +72,6 @@ def _thread_template(template: ChatTemplate) -> ChatTemplate:
     clone = copy.copy(template)
     clone._encoder = encoder
     return clone
-
-
-@dataclass(slots=True)
-class TurnRequest:
-    endpoint: str
-    """chat | responses | completions"""
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    asked: dict[str, Any]
-    """The client's sampling and output options, recorded as sent."""
-    max_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    top_logprobs: int = 0
-    json_schema: str | None = None
-    forced: ForcedTools | None = None
-    """A forced tool_choice (`tools_for_choice`): decoded under a grammar in the model's tool-call format."""
-    raw_prompt_ids: list[int] | None = None
-    """/v1/completions: the prompt as ids, no template and no continuity."""
-    raw_prompt: str | None = None
-    """/v1/completions: the prompt as text, tokenized as it is (no template, no continuity)."""
-    body_bytes: int = 0
-    """Size of the request body: a big one is prepared off the event loop (BIG_BODY_BYTES)."""
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """The request's chat_template_kwargs (the settings' defaults are added in `prepare`)."""
-    new_chain_reason: str | None = None
-    """Set: the prompt is rendered whole as a new chain with this reason, whatever turn it would extend (an
-    Anthropic context edit changed what the model sees of the history)."""
-    fit_to_context: bool = False
-    """A max_tokens over what the context leaves is cut to it rather than refused (Anthropic's Messages API,
-    whose reply then stops with `model_context_window_exceeded`)."""
-
-
-@dataclass(slots=True)
-class PreparedTurn:
-    auth: SessionAuth
-    req: TurnRequest
-    turn_id: str
-    prompt_ids: Sequence[int]
-    """The whole prompt: a list, or an int32 array when the turn extends its parent (`generation.input_ids`)."""
-    prompt_delta: list[int]
-    parent_id: str | None
-    chain_reason: str | None
-    prompt_text: str | None
-    """The rendered prompt (chat turns): a later turn that extends this one renders one template less."""
-    sampling: dict[str, Any]
-    temperature: float
-    max_new_tokens: int
-    started: float
-    view: SessionView | None = None
-    """The session's cached view the turn was prepared against (kept current by `finish`)."""
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """The chat_template_kwargs the prompt was rendered with: the settings' defaults, then the request's."""
-    constrained: bool = False
-    """Decoded under a grammar (a forced tool_choice, a response_format): recorded on the turn."""
-    messages_digest: bytes | None = None
-    """The chain digest of the request's messages (gateway.continuity), for the session view's index."""
-    prompt_cut: RenderCut | None = None
-    """Where `prompt_text` may be cut by a turn extending this one (`ChatTemplate.extension_cut`)."""
-
-
-@dataclass(slots=True)
-class FinishedTurn:
-    turn_id: str
-    text: str
-    parsed: ParsedReply
-    finish_reason: str
-    """OpenAI's: stop | length | tool_calls | abort"""
 
 
 class TurnService:
@@ -243,7 +125,7 @@ class TurnService:
         if auth.state != "active":
             raise Conflict(f"session {auth.id} is {auth.state}; it takes no more turns", code="session_ended")
         if req.json_schema is not None:
-            _check_json_schema(req)
+            check_json_schema(req)
         if req.tools and self.template.tool_parser is None:
             raise BadRequest(
                 "this model's chat template writes tool calls in a format the gateway does not know, so it cannot "
@@ -260,7 +142,7 @@ class TurnService:
         view = await self.cache.get(auth.id, auth.turn_count)
         recorded = view.recorded if max_session_tokens is not None else 0
         if max_session_tokens is not None and recorded >= max_session_tokens:  # before any rendering
-            raise _session_full(auth.id, recorded, None, max_session_tokens, req)
+            raise session_full(auth.id, recorded, None, max_session_tokens, req)
         if req.raw_prompt_ids is not None or req.raw_prompt is not None:
             prompt = await self._raw_prompt(req, big)
             delta, reason = prompt, "completions_endpoint"
@@ -269,7 +151,7 @@ class TurnService:
         else:
             parent_id, reason, prompt, delta, text, digest, cut = self._continue(view, req)
         if max_session_tokens is not None and recorded + len(prompt) > max_session_tokens:
-            raise _session_full(auth.id, recorded, len(prompt), max_session_tokens, req)
+            raise session_full(auth.id, recorded, len(prompt), max_session_tokens, req)
         max_new = self._budget(len(prompt), req.max_tokens, req.fit_to_context)
         sampling, temperature = self._sampling(auth.sampling, req)
         if req.forced is not None:
@@ -549,59 +431,3 @@ def _parent_candidate(p: PreparedTurn) -> Candidate | None:
         if cand.turn_id == p.parent_id:
             return cand
     return None
-
-
-def _session_full(session_id: str, recorded: int, prompt: int | None, limit: int, req: TurnRequest) -> BadRequest:
-    this = "" if prompt is None else f", and this turn's prompt is {prompt} more"
-    return BadRequest(
-        f"session {session_id} has recorded {recorded} tokens (prompt + completion of each turn){this}; a "
-        f"session may record at most {limit} (max_session_tokens; raise it with ROLLWAY_MAX_SESSION_TOKENS, "
-        f"or start a new session)",
-        param={"completions": "prompt", "responses": "input"}.get(req.endpoint, "messages"),
-        code="session_token_limit",
-    )
-
-
-def tools_for_choice(
-    tool_choice: Any, tools: list[dict[str, Any]] | None, parallel_tool_calls: bool | None = None
-) -> tuple[list[dict[str, Any]] | None, ForcedTools | None]:
-    """(the tools to render, the forced choice to put on `TurnRequest.forced`) for OpenAI's tool_choice
-    ("auto", "none", "required", {"type": "function", "function": {"name"}}) and parallel_tool_calls. A forced
-    choice is honoured with a grammar (gateway/tool_grammar.py); one the model's family cannot be held to is a
-    400 in `TurnService.prepare`."""
-    return resolve_tool_choice(tool_choice, tools, parallel_tool_calls)
-
-
-SCHEMA_PARAM = {"responses": "text.format", "messages": "output_config.format"}
-"""The field that carries a turn's json_schema, by endpoint (chat and completions: response_format)."""
-_CALLER_FIELDS = {
-    "responses": {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"},
-    "messages": {"response_format": "output_config.format"},
-}
-"""Chat Completions' field names, as the turn service raises them, by what each endpoint calls them."""
-
-
-def caller_param(endpoint: str, param: str | None) -> str | None:
-    """`param` as the endpoint's caller names it: the turn service speaks Chat Completions' fields (`messages`,
-    `max_tokens`), which a Responses caller sends as `input` and `max_output_tokens`. A message index of the
-    translated conversation is not the caller's item index: it becomes the whole field."""
-    names = _CALLER_FIELDS.get(endpoint)
-    if param is None or names is None:
-        return param
-    if param.startswith("messages."):
-        return names.get("messages", param)
-    return names.get(param, param)
-
-
-def _check_json_schema(req: TurnRequest) -> None:
-    """Refuse up front what SGLang 0.5.23 refuses in a `json_schema` grammar (rollway_common/json_schema_check.py), so
-    the answer does not depend on the backend; forced tool calls' schemas (in a structural_tag) are not checked,
-    as SGLang does not check them."""
-    try:
-        schema = json.loads(req.json_schema or "")
-    except json.JSONDecodeError:
-        return  # the gateway wrote it from a parsed body: always JSON
-    reason = unsupported_reason(schema)
-    if reason is not None:
-        raise BadRequest(f"the JSON schema uses what the inference backend cannot enforce: {reason}",
-                         param=SCHEMA_PARAM.get(req.endpoint, "response_format"), code="unsupported_schema")

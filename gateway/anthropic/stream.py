@@ -22,7 +22,7 @@ from gateway.anthropic.translate import context_cut, sign_thinking, stop_reason,
 from gateway.errors import GatewayError, anthropic_error
 from gateway.generation import Generation
 from gateway.tool_parsers import ParsedReply
-from gateway.turns import FinishedTurn, PreparedTurn
+from gateway.turn_types import FinishedTurn, PreparedTurn
 
 
 def event(name: str, data: dict[str, Any]) -> bytes:

@@ -54,7 +54,7 @@ from gateway.protocol import note_unknown_fields
 from gateway.settings import Settings
 from gateway.tool_grammar import ForcedTools
 from gateway.tool_parsers import ParsedReply
-from gateway.turns import PreparedTurn, TurnRequest, tools_for_choice
+from gateway.turn_types import PreparedTurn, TurnRequest, tools_for_choice
 
 log = logging.getLogger("rollway.gateway")
 B = TypeVar("B", bound=BaseModel)

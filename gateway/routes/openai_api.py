@@ -29,7 +29,8 @@ from gateway.routes.streaming import ChatChunks, CompletionChunks, stream_turn
 from gateway.services import services, serving
 from gateway.templating import RESERVED_TEMPLATE_KWARGS, ChatTemplate
 from gateway.tool_grammar import response_format_schema
-from gateway.turns import TurnRequest, TurnService, tools_for_choice
+from gateway.turn_types import TurnRequest, tools_for_choice
+from gateway.turns import TurnService
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
 REUSE = MessageReuse()

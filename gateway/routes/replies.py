@@ -18,7 +18,8 @@ from gateway.routes.common import M, parse_body, read_raw_body
 from gateway.routes.message_reuse import MessageReuse
 from gateway.services import services
 from gateway.settings import Settings
-from gateway.turns import FinishedTurn, PreparedTurn, TurnService
+from gateway.turn_types import FinishedTurn, PreparedTurn
+from gateway.turns import TurnService
 
 
 async def read_turn_body(request: Request, model: type[M], messages: str | None,

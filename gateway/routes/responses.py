@@ -27,7 +27,8 @@ from gateway.routes.responses_stream import (
 )
 from gateway.routes.streaming import stream_turn
 from gateway.services import services, serving
-from gateway.turns import TurnRequest, TurnService, tools_for_choice
+from gateway.turn_types import TurnRequest, tools_for_choice
+from gateway.turns import TurnService
 
 
 def _text(content: Any, param: str) -> str:

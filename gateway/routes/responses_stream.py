@@ -31,7 +31,7 @@ from gateway.generation import Generation
 from gateway.protocol import ResponsesRequest
 from gateway.tool_decoders import ParsedToolCall
 from gateway.tool_parsers import ParsedReply
-from gateway.turns import FinishedTurn, PreparedTurn
+from gateway.turn_types import FinishedTurn, PreparedTurn
 
 
 def new_item_id(prefix: str) -> str:

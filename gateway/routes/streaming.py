@@ -27,7 +27,8 @@ from gateway.routes.replies import logprobs_content, usage
 from gateway.services import services, serving
 from gateway.templating import ChatTemplate, IncrementalDetokenizer
 from gateway.tool_parsers import ParsedReply
-from gateway.turns import FinishedTurn, PreparedTurn, TurnService
+from gateway.turn_types import FinishedTurn, PreparedTurn
+from gateway.turns import TurnService
 
 log = logging.getLogger("rollway.gateway")
 

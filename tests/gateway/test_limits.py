@@ -18,8 +18,9 @@ import orjson
 import pytest
 
 from gateway.openapi import OPERATIONS
+from gateway.prompt_limits import NFC_MAX_EXPANSION, max_chars_per_token
 from gateway.templating import ChatTemplate
-from gateway.turns import BIG_BODY_BYTES, NFC_MAX_EXPANSION, max_chars_per_token
+from gateway.turns import BIG_BODY_BYTES
 from tests.fakes.sglang import FakeSGLang
 from tests.harness import LiveGateway
 
