@@ -302,9 +302,9 @@ def test_the_session_routes_are_found_by_version_or_by_a_404() -> None:
 
     import aiohttp
 
-    from gateway.sglang import SGLangClient, _has_weight_session
+    from gateway.sglang import SGLangClient, has_weight_session
 
-    assert [_has_weight_session(v) for v in ("0.5.20", "0.5.21", "0.5.23+rollway", "0.6.0", "0.4.10-fake", "dev")] \
+    assert [has_weight_session(v) for v in ("0.5.20", "0.5.21", "0.5.23+rollway", "0.6.0", "0.4.10-fake", "dev")] \
         == [False, True, True, True, False, True]
 
     async def run(fake: FakeSGLang, known: bool | None) -> tuple[bool, bool | None]:
