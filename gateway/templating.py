@@ -17,20 +17,18 @@ turns and extensions alike (gateway.encoding, "Text from messages never becomes 
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jinja2.runtime import LoopContext
-
 from gateway.continuity import drop_none
 from gateway.encoding import CachedEncoder
-from gateway.errors import BadRequest
+from gateway.hf_messages import Message, hf_message
 from gateway.model_formats import ModelFormats, detect
 from gateway.settings import RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
-from gateway.template_segments import LazyMessages, NotLocal, RenderCut, Renderer, inputs_json, plan, render
+from gateway.template_env import compiled_template, segment_renderer
+from gateway.template_segments import LazyMessages, RenderCut, inputs_json, render
 from gateway.tool_parsers import (
     ParsedReply,
     ReasoningParser,
@@ -45,117 +43,6 @@ from gateway.tool_parsers import (
 # next role's header (`<|user|>`, `<|observation|>`), which the model emits as its stop token.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|user|>")
 
-Message = Mapping[str, Any]
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-@functools.lru_cache(maxsize=8)
-def _compiled(template: str) -> Any:
-    """transformers' own compiled template (its sandboxed environment, filters and globals), or None."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:
-        return None
-    compiled = _compile_jinja_template(template)
-    dict_attributes_fast(compiled.environment)
-    return compiled
-
-
-_DICT_ATTRIBUTES = frozenset(dir(dict))
-_LOOP_NUMBERS = frozenset({"index0", "index", "revindex0", "revindex", "first", "last", "length", "depth", "depth0"})
-"""A `for` loop's counters (ints and bools): the sandbox's checks of them (not private, not internal, not a mutating
-method, not `str.format`) always pass, so the fast read returns what it returns."""
-
-
-def dict_attributes_fast(env: Any) -> None:
-    """`message.role` in a template, on a plain dict, read without the AttributeError that Jinja's sandbox takes
-    first: its `getattr` tries the attribute, and a dict has none by a message's keys, so every such read built and
-    caught an exception (~50 a chat call of the gateway benchmark, ~7% of the gateway's instructions). The answer
-    is the sandbox's own: a name a dict has as an attribute (`items`, `__class__`) still goes its way; any other is
-    the dict's item, or undefined when it has none, which is where the sandbox's AttributeError led. A loop's
-    counters (`loop.first`, `loop.index0`: four reads a message in Qwen's template) are read directly too."""
-    if getattr(env, "_dict_attributes_fast", False):
-        return
-    sandboxed = env.getattr
-
-    def getattr_(obj: Any, attribute: str) -> Any:
-        kind = type(obj)
-        if kind is dict and attribute not in _DICT_ATTRIBUTES:
-            try:
-                return obj[attribute]
-            except (TypeError, LookupError):
-                return env.undefined(obj=obj, name=attribute)
-        if kind is LoopContext and attribute in _LOOP_NUMBERS:
-            return getattr(obj, attribute)
-        return sandboxed(obj, attribute)
-
-    env.getattr = getattr_
-    env._dict_attributes_fast = True
-
-
-@functools.lru_cache(maxsize=8)
-def _renderer(template: str) -> Renderer | None:
-    """A renderer by segments when the template is provably message-local (gateway.template_segments), else None."""
-    compiled = _compiled(template)
-    if compiled is None:
-        return None
-    try:
-        return Renderer(plan(compiled.environment, template))
-    except NotLocal:
-        return None
-
-
-def _text(content: Any) -> str:
-    """Message content as the template wants it: a string (text parts joined, null as "")."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for part in content:
-        if part.get("type") != "text":
-            raise BadRequest(
-                f"content parts of type {part.get('type')!r} are not supported by this text model; send text",
-                param="messages",
-            )
-        texts.append(part.get("text") or "")
-    return "".join(texts)
-
-
-def _hf_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
-    fn = dict(call.get("function") or call)
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            fn["arguments"] = json.loads(args)
-        except json.JSONDecodeError:
-            pass  # not JSON: the template renders the string as it came
-        except RecursionError:  # the request boundary refuses these (routes.common.check_json_shape)
-            raise BadRequest("tool call arguments are nested too deeply", param="messages") from None
-    elif args is None:
-        fn["arguments"] = {}
-    out = {k: v for k, v in call.items() if v is not None}
-    out["type"] = "function"
-    out["function"] = fn
-    return out
-
-
-def hf_message(msg: Message) -> dict[str, Any]:
-    """An OpenAI-form message in the form HF templates expect.
-
-    Null fields are dropped (Llama's template tests `'tool_calls' in message`), content becomes a
-    string, and tool-call arguments become dicts (templates render them with `tojson`).
-    """
-    out = {k: v for k, v in msg.items() if v is not None}
-    out["content"] = _text(msg.get("content"))
-    if out.get("tool_calls"):
-        out["tool_calls"] = [_hf_tool_call(c) for c in out["tool_calls"]]
-    else:
-        out.pop("tool_calls", None)
-    reasoning = next((out[k] for k in _REASONING_FIELDS if k in out), None)
-    if reasoning is not None:  # the names templates read it by, as transformers aliases them
-        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
-    return out
 
 
 def _generation_eos_ids(tokenizer: Any) -> list[int]:
@@ -283,7 +170,7 @@ class ChatTemplate:
         kwargs: Mapping[str, Any],
     ) -> str:
         template = self.tokenizer.get_chat_template(self.chat_template, hf_tools)
-        compiled = _compiled(template)
+        compiled = compiled_template(template)
         if compiled is None:  # a transformers without the compiled-template cache: its public path
             return str(self.tokenizer.apply_chat_template(
                 hf_messages, tools=hf_tools, add_generation_prompt=add_generation_prompt, tokenize=False,
@@ -330,7 +217,7 @@ class ChatTemplate:
              text: str) -> RenderCut | None:
         """Where `text`, the whole render of `hf_messages`, may be cut (`Renderer.cut`); None when the template
         renders whole only."""
-        renderer = _renderer(self.tokenizer.get_chat_template(self.chat_template, hf_tools))
+        renderer = segment_renderer(self.tokenizer.get_chat_template(self.chat_template, hf_tools))
         if renderer is None:
             return None
         return renderer.cut(self._segment_variables(hf_tools, kwargs), hf_messages, inputs_json(hf_tools, kwargs), text)
@@ -452,7 +339,7 @@ class ChatTemplate:
         this request (`Renderer.extend`)."""
         hf_tools = drop_none(list(tools)) if tools else None
         hf_kwargs = dict(kwargs or {})
-        renderer = _renderer(self.tokenizer.get_chat_template(self.chat_template, hf_tools))
+        renderer = segment_renderer(self.tokenizer.get_chat_template(self.chat_template, hf_tools))
         n = len(prev)
         if renderer is None or not renderer.usable(cut, n, parent_prompt, inputs_json(hf_tools, hf_kwargs)):
             return None

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.continuity import Candidate, choose_parent
-from gateway.templating import ChatTemplate, IncrementalDetokenizer, _common_prefix_len, _compiled
+from gateway.template_env import compiled_template
+from gateway.templating import ChatTemplate, IncrementalDetokenizer, _common_prefix_len
 from gateway.tool_parsers import ParsedReply
 from tests.realfiles import BY_NAME, Family, tokenizer
 
@@ -91,7 +92,7 @@ def render_reply(ct: ChatTemplate, messages: Sequence[dict[str, Any]], reply: di
     if reply.get("tool_calls") and reply["tool_calls"][0]["function"]["name"] not in full[len(prompt) - 40:]:
         # DeepSeek-R1's template renders calls only from null content and string arguments (the OpenAI form,
         # not the one the gateway, or transformers, gives templates): its own template, given that form.
-        compiled = _compiled(ct.tokenizer.chat_template)
+        compiled = compiled_template(ct.tokenizer.chat_template)
         last = {k: v for k, v in reply.items() if k != "reasoning_content"}
         full = str(compiled.render(messages=[*messages, last], tools=tools, add_generation_prompt=False,
                                    **ct.tokenizer.special_tokens_map, **(kwargs or {})))

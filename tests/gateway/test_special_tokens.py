@@ -19,8 +19,9 @@ import pytest
 from tokenizers import AddedToken
 
 from gateway.errors import BadRequest
+from gateway.hf_messages import hf_message
 from gateway.settings import Settings
-from gateway.templating import ChatTemplate, hf_message
+from gateway.templating import ChatTemplate
 from gateway.turns import _thread_template
 from tests.fakes.sglang import FakeSGLang
 from tests.gateway.template_calls import parse

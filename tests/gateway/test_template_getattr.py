@@ -1,4 +1,4 @@
-"""`templating.dict_attributes_fast`: a template reads a plain dict's keys as attributes without the sandbox's
+"""`template_env.dict_attributes_fast`: a template reads a plain dict's keys as attributes without the sandbox's
 AttributeError, and renders exactly what the sandbox renders (values, undefined names, names a dict has as
 attributes, unsafe ones, other mappings), on hand-written templates and on the chat templates the tests use."""
 
@@ -11,7 +11,7 @@ import pytest
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gateway.templating import dict_attributes_fast
+from gateway.template_env import dict_attributes_fast
 from tests.gateway.text_tokenizers import chatml, llama31
 
 CASES = [

@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 
 from engine.tiny_model import CHATML_TOOLS_TEMPLATE
+from gateway.hf_messages import hf_message
+from gateway.template_env import compiled_template, segment_renderer
 from gateway.template_segments import LazyMessages, NotLocal, Renderer, plan
-from gateway.templating import ChatTemplate, _compiled, _renderer, hf_message
+from gateway.templating import ChatTemplate
 from tests.gateway.chat_templates import LLAMA31_TEMPLATE
 from tests.gateway.text_tokenizers import chatml, model_reply_ids
 from tests.realfiles import BY_NAME, Unavailable, models_dir
@@ -31,7 +33,7 @@ LOOP_TAIL = "{%- endfor %}{%- if add_generation_prompt %}<gen>{%- endif %}"
 
 
 def _plan(source: str) -> Any:
-    return plan(_compiled(source).environment, source)
+    return plan(compiled_template(source).environment, source)
 
 
 @pytest.mark.parametrize("body", [
@@ -115,7 +117,7 @@ def test_whole_renders_by_segments_equal_the_real_templates_renders(real_templat
             variables = {"tools": tools, "documents": None, "bos_token": "<s>", "eos_token": "</s>"}
             for generation in (True, False):
                 try:
-                    whole = _compiled(source).render(messages=messages, add_generation_prompt=generation, **variables)
+                    whole = compiled_template(source).render(messages=messages, add_generation_prompt=generation, **variables)
                 except Exception:  # a conversation this template refuses
                     continue
                 head, scope = renderer.head(LazyMessages(messages, dict), variables)
@@ -167,7 +169,7 @@ def test_real_families_extensions_by_segments_equal_whole_renders(real_templates
     ct = ChatTemplate(real_tokenizer(BY_NAME[family]))
     kwargs = BY_NAME[family].thinking_kwargs or None
     fast = sum(_play(ct, seed, kwargs=kwargs, as_generated=False) for seed in range(3))
-    has_plan = _renderer(ct.tokenizer.get_chat_template(None, TOOLS)) is not None
+    has_plan = segment_renderer(ct.tokenizer.get_chat_template(None, TOOLS)) is not None
     assert has_plan == (family != "Qwen3")  # Qwen3 drops earlier reasoning: whole renders, a new chain as before
     assert (fast > 0) == has_plan
 
@@ -190,7 +192,7 @@ def test_what_the_proof_does_not_cover_renders_whole() -> None:
     assert got is not None and got[:2] == whole and got[2] is None
     # a cut of another conversation length
     assert ct._by_segments([*prev, *forged], [{"role": "user", "content": "x"}], TOOLS, None, text, cut) is None
-    assert _renderer(CHATML_TOOLS_TEMPLATE) is not None and _renderer(LLAMA31_TEMPLATE) is None
+    assert segment_renderer(CHATML_TOOLS_TEMPLATE) is not None and segment_renderer(LLAMA31_TEMPLATE) is None
 
 
 def test_heads_are_kept_by_what_they_read() -> None:
@@ -202,7 +204,7 @@ def test_heads_are_kept_by_what_they_read() -> None:
     variables = {"tools": TOOLS, "documents": None}
     a = [{"role": "system", "content": "A"}, {"role": "user", "content": "u"}]
     b = [{"role": "system", "content": "B"}, {"role": "user", "content": "u"}]
-    tools_json = _compiled(source).environment.filters["tojson"](TOOLS)
+    tools_json = compiled_template(source).environment.filters["tojson"](TOOLS)
     for _ in range(2):
         assert renderer.head(a, variables)[0] == f"[A]{tools_json}"
         assert renderer.head([*a, {"role": "user", "content": "more"}], variables)[0] == f"[A]{tools_json}"

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.templating import ChatTemplate, IncrementalDetokenizer, hf_message
+from gateway.hf_messages import hf_message
+from gateway.templating import ChatTemplate, IncrementalDetokenizer
 from gateway.tool_parsers import ParsedReply, ParsedToolCall
 from tests.gateway.template_calls import extension_ids, parse, render_ids
 from tests.gateway.text_tokenizers import chatml, chatml_tokenizer, llama31
