@@ -42,8 +42,6 @@ class _Connection(asyncio.Protocol):
         self.answered = False
         """Whether any byte of the current answer arrived."""
         self.reusable = True
-        self.lost = False
-        """Whether connection_lost ran: a write now raises RuntimeError (uvloop) or is dropped unanswered (asyncio)."""
         self.idle_since = 0.0
 
     # -- asyncio.Protocol --
@@ -63,7 +61,6 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.reusable = False
-        self.lost = True
         self._fail(exc or ConnectionResetError("the server closed the connection"))
 
     # -- httptools callbacks --
@@ -162,8 +159,9 @@ class Http1Client:
 
     async def _exchange(self, conn: _Connection, request: bytes, timeout: float | None) -> tuple[int, bytes]:
         assert conn.transport is not None
-        if conn.lost or conn.transport.is_closing():
-            # Lost between connecting and now (a server killed after its kernel accepted): nothing would answer.
+        if conn.transport.is_closing():
+            # Lost between connecting and now (a server killed after its kernel accepted): nothing would answer; a
+            # write would raise RuntimeError on uvloop, or be dropped unanswered on asyncio's loop.
             conn.transport.close()
             raise ConnectionResetError("the server closed the connection before the request was sent")
         loop = asyncio.get_running_loop()

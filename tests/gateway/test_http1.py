@@ -205,10 +205,10 @@ def test_a_new_connection_lost_before_the_request_is_written_is_a_connection_err
         async def connect_then_lose() -> Any:
             conn = await connect()
             for _ in range(200):
-                if conn.lost:
+                if not conn.reusable:  # connection_lost ran (a fresh connection has answered nothing)
                     break
                 await asyncio.sleep(0.01)
-            assert conn.lost
+            assert not conn.reusable
             return conn
 
         client._connect = connect_then_lose  # type: ignore[method-assign]
