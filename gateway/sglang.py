@@ -34,24 +34,24 @@ import orjson
 
 from gateway.http1 import BadResponse, Http1Client
 from gateway.sglang_wire import (
-    _TRANSPORT_ERRORS,
     PARTIAL,
+    TRANSPORT_ERRORS,
     WEIGHT_SESSION_SINCE,
     BackendError,
     BackendRejected,
     BackendUnavailable,
     GenChunk,
     GenResult,
-    _abort_error,
-    _chunk,
-    _error_message,
-    _event_error,
-    _loads,
-    _parse,
-    _SSEReader,
-    _status_error,
-    _whole,
+    SSEReader,
+    abort_error,
+    error_message,
+    event_error,
     has_weight_session,
+    loads_answer,
+    parse_answer,
+    status_error,
+    stream_chunk,
+    whole_version,
 )
 
 log = logging.getLogger(__name__)
@@ -137,12 +137,12 @@ class SGLangClient:
         except (TimeoutError, OSError, BadResponse) as e:  # refused, reset, timed out, cut short, not HTTP
             raise BackendUnavailable(f"{url}: {e!r}") from e
         if status >= 400:
-            raise _status_error(status, data, url)
-        obj = _loads(data, "/generate")
+            raise status_error(status, data, url)
+        obj = loads_answer(data, "/generate")
         if not isinstance(obj, dict):
             raise BackendError("/generate answered a list: send one prompt with n = 1")
-        result = _whole(_parse(obj, GenResult), self.url)
-        if (error := _abort_error(result.finish_reason)) is not None:
+        result = whole_version(parse_answer(obj, GenResult), self.url)
+        if (error := abort_error(result.finish_reason)) is not None:
             raise error
         return result
 
@@ -160,19 +160,19 @@ class SGLangClient:
         resp = await self._open_stream({**payload, "stream": True}, self._read_timeout(read_timeout))
         clean = False
         try:
-            events = _SSEReader(resp, self.url)
+            events = SSEReader(resp, self.url)
             seen, finished = 0, False
             while (data := await events.next()) is not None:
                 if data == b"[DONE]":
                     clean = await events.drain()
                     break
-                obj = _loads(data, "/generate stream")
+                obj = loads_answer(data, "/generate stream")
                 if not isinstance(obj, dict):
                     raise BackendUnavailable(f"{self.url}/generate: a stream event that is not an object")
                 if "error" in obj:
-                    raise _event_error(obj)
-                chunk = _whole(_chunk(obj, seen), self.url)
-                if (error := _abort_error(chunk.finish_reason)) is not None:
+                    raise event_error(obj)
+                chunk = whole_version(stream_chunk(obj, seen), self.url)
+                if (error := abort_error(chunk.finish_reason)) is not None:
                     raise error
                 seen += len(chunk.output_ids)
                 finished = chunk.finish_reason is not None
@@ -211,35 +211,35 @@ class SGLangClient:
         false`. Loading takes a while, and an unpaused server first waits for its running requests."""
         body: dict[str, Any] = {"model_path": model_path, "weight_version": weight_version}
         body["abort_all_requests"] = abort_all_requests
-        obj = _loads(await self._call("POST", "/update_weights_from_disk", body, self._gen_timeout), "update")
+        obj = loads_answer(await self._call("POST", "/update_weights_from_disk", body, self._gen_timeout), "update")
         if not (isinstance(obj, dict) and obj.get("success")):
-            raise BackendRejected(200, _error_message(orjson.dumps(obj)))
+            raise BackendRejected(200, error_message(orjson.dumps(obj)))
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
         """POST /load_lora_adapter: SGLang's LoRAUpdateOutput `{success, error_message, loaded_adapters}`;
         BackendRejected on `success: false` (HTTP 400: not loadable, name taken, rank or modules not served)."""
         body = {"lora_name": lora_name, "lora_path": lora_path}
-        obj = _loads(await self._call("POST", "/load_lora_adapter", body, self._gen_timeout), "load_lora_adapter")
+        obj = loads_answer(await self._call("POST", "/load_lora_adapter", body, self._gen_timeout), "load_lora_adapter")
         if not (isinstance(obj, dict) and obj.get("success")):
-            raise BackendRejected(200, _error_message(orjson.dumps(obj)))
+            raise BackendRejected(200, error_message(orjson.dumps(obj)))
         return obj
 
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         """POST /unload_lora_adapter: answers once the requests using it ended. BackendRejected when the name
         is not loaded (400 `success: false`)."""
         body = {"lora_name": lora_name}
-        obj = _loads(await self._call("POST", "/unload_lora_adapter", body, self._gen_timeout), "unload_lora_adapter")
+        obj = loads_answer(await self._call("POST", "/unload_lora_adapter", body, self._gen_timeout), "unload_lora_adapter")
         if not (isinstance(obj, dict) and obj.get("success")):
-            raise BackendRejected(200, _error_message(orjson.dumps(obj)))
+            raise BackendRejected(200, error_message(orjson.dumps(obj)))
         return obj
 
     async def weight_call(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         """POST one of the process-group weight endpoints, which answer `{success, message}` (docs/sglang-contract.md
         "The process-group path"), within `timeout` seconds. BackendRejected on `success: false`."""
         limit = aiohttp.ClientTimeout(total=timeout, sock_connect=self._connect_timeout)
-        obj = _loads(await self._call("POST", path, body, limit), path)
+        obj = loads_answer(await self._call("POST", path, body, limit), path)
         if not isinstance(obj, dict) or obj.get("success") is False:
-            raise BackendRejected(200, _error_message(orjson.dumps(obj)))
+            raise BackendRejected(200, error_message(orjson.dumps(obj)))
         return obj
 
     async def weight_session_open(self, timeout: float) -> bool:
@@ -292,7 +292,7 @@ class SGLangClient:
                                          allow_redirects=False) as resp:
                 await resp.read()
                 return resp.status == 200
-        except (*_TRANSPORT_ERRORS, aiohttp.ClientError, ValueError):  # recovery: unreachable, or a URL no
+        except (*TRANSPORT_ERRORS, aiohttp.ClientError, ValueError):  # recovery: unreachable, or a URL no
             return False  # client can use (a registry row written before URLs were checked) is not healthy
 
     async def ping(self) -> bool:
@@ -303,7 +303,7 @@ class SGLangClient:
                                          headers=self._normal_headers) as resp:  # a NORMAL route: the API key
                 await resp.read()
                 return resp.status in (200, 404)
-        except (*_TRANSPORT_ERRORS, aiohttp.ClientError, ValueError):  # recovery: not alive
+        except (*TRANSPORT_ERRORS, aiohttp.ClientError, ValueError):  # recovery: not alive
             return False
 
     async def probe(self) -> bool:
@@ -332,7 +332,7 @@ class SGLangClient:
             if e.status != 404:
                 raise
             data = await self._call("GET", legacy_path, None)  # servers before the rename
-        obj = _loads(data, path)
+        obj = loads_answer(data, path)
         if not isinstance(obj, dict):
             raise BackendError(f"{self.url}{path}: expected a JSON object")
         return obj
@@ -350,10 +350,10 @@ class SGLangClient:
             if resp.status < 300:
                 return resp
             raw = await resp.read()
-        except _TRANSPORT_ERRORS as e:
+        except TRANSPORT_ERRORS as e:
             raise BackendUnavailable(f"{url}: {e!r}") from e
         resp.release()
-        raise _status_error(resp.status, raw, url)
+        raise status_error(resp.status, raw, url)
 
     async def _call(
         self, method: str, path: str, body: Any, timeout: aiohttp.ClientTimeout | None = None
@@ -369,8 +369,8 @@ class SGLangClient:
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
-        except _TRANSPORT_ERRORS as e:
+        except TRANSPORT_ERRORS as e:
             raise BackendUnavailable(f"{url}: {e!r}") from e
         if status >= 300:  # a redirect is followed nowhere (a registered URL is the server, not a signpost)
-            raise _status_error(status, raw, url)
+            raise status_error(status, raw, url)
         return raw

@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 
 # Transport failures that say nothing about the request: another backend may well succeed.
-_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
+TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
 
 
 class BackendError(Exception):
@@ -62,7 +62,7 @@ _R = TypeVar("_R", bound=GenResult)
 # -- parsing ---------------------------------------------------------------------------------------
 
 
-class _SSEReader:
+class SSEReader:
     """Splits an event stream into `data:` payloads. Events can be far longer than aiohttp's line
     limit (a cumulative chunk carries every logprob so far), so this buffers by itself."""
 
@@ -90,7 +90,7 @@ class _SSEReader:
                 continue
             try:
                 piece = await self._resp.content.readany()
-            except _TRANSPORT_ERRORS as e:
+            except TRANSPORT_ERRORS as e:
                 raise BackendUnavailable(f"{self._url}/generate: stream broken: {e!r}") from e
             if piece:
                 self._buf += piece
@@ -101,7 +101,7 @@ class _SSEReader:
         """Read to the end of the body so the connection can be reused; False if that failed."""
         try:
             await self._resp.content.read()
-        except _TRANSPORT_ERRORS:  # recovery: the stream is complete; only connection reuse is lost
+        except TRANSPORT_ERRORS:  # recovery: the stream is complete; only connection reuse is lost
             return False
         return True
 
@@ -110,7 +110,7 @@ PARTIAL = "-partial"
 """The suffix of the version a server reports while it holds part of an update (gateway/weight_sync.py marks it)."""
 
 
-def _whole(res: _R, url: str) -> _R:
+def whole_version(res: _R, url: str) -> _R:
     """`res`, unless a server holding part of an update produced it: requests parked in SGLang's tokenizer manager
     during a pause are out of reach of `abort_all` and run once it continues, on a mix of two versions. Such tokens
     are never served nor recorded: BackendUnavailable takes the backend out and the reply goes on elsewhere."""
@@ -125,7 +125,7 @@ def _event_data(event: bytes) -> bytes | None:
     return b"\n".join(lines) if lines else None
 
 
-def _chunk(obj: dict[str, Any], seen: int) -> GenChunk:
+def stream_chunk(obj: dict[str, Any], seen: int) -> GenChunk:
     """The increment in a cumulative or incremental chunk, `seen` tokens in (see the module docstring)."""
     try:
         total = int(obj["meta_info"]["completion_tokens"])
@@ -133,7 +133,7 @@ def _chunk(obj: dict[str, Any], seen: int) -> GenChunk:
         raise BackendUnavailable(f"stream chunk without meta_info.completion_tokens: {e!r}") from e
     if total < seen:
         raise BackendUnavailable(f"completion_tokens went back from {seen} to {total}")
-    return _parse(obj, GenChunk, total=total, new=total - seen)
+    return parse_answer(obj, GenChunk, total=total, new=total - seen)
 
 
 def _tail(items: list[Any], total: int | None, new: int | None, what: str) -> list[Any]:
@@ -145,7 +145,7 @@ def _tail(items: list[Any], total: int | None, new: int | None, what: str) -> li
     raise BackendUnavailable(f"stream chunk has {len(items)} {what} for {total} tokens of which {new} are new")
 
 
-def _parse(obj: dict[str, Any], cls: type[_R], *, total: int | None = None, new: int | None = None) -> _R:
+def parse_answer(obj: dict[str, Any], cls: type[_R], *, total: int | None = None, new: int | None = None) -> _R:
     try:
         meta = obj["meta_info"]
         ids = _tail(obj["output_ids"], total, new, "output_ids")
@@ -171,10 +171,10 @@ def _parse(obj: dict[str, Any], cls: type[_R], *, total: int | None = None, new:
         raise BackendUnavailable(f"malformed /generate answer: {e!r}") from e
 
 
-def _loads(data: bytes, where: str) -> Any:
+def loads_answer(data: bytes, where: str) -> Any:
     try:
         return orjson.loads(data)
-    except orjson.JSONDecodeError as e:  # as in _parse: the server failing, not the request
+    except orjson.JSONDecodeError as e:  # as in parse_answer: the server failing, not the request
         raise BackendUnavailable(f"{where}: not JSON: {data[:200]!r}") from e
 
 
@@ -191,7 +191,7 @@ def has_weight_session(version: str) -> bool:
     return tuple(int(x) for x in parts.groups()) >= WEIGHT_SESSION_SINCE
 
 
-def _error_message(body: bytes) -> str:
+def error_message(body: bytes) -> str:
     """The message of any of SGLang's error shapes: {"error": {"message"}}, {"error": "<text>"},
     {"object": "error", "message", "code"}, FastAPI's {"detail"}, or the body as text."""
     try:
@@ -210,8 +210,8 @@ def _error_message(body: bytes) -> str:
     return orjson.dumps(obj).decode()[:2000]
 
 
-def _status_error(status: int, body: bytes, url: str) -> BackendError:
-    message = _error_message(body)
+def status_error(status: int, body: bytes, url: str) -> BackendError:
+    message = error_message(body)
     # Busy, broken, redirecting, or refusing this gateway's key (401, 403: SGLang's `--api-key` scheme, a
     # configuration of that server's): not the request, which another backend may well serve.
     if status >= 500 or status in (401, 403, 408, 429) or status < 400:
@@ -219,7 +219,7 @@ def _status_error(status: int, body: bytes, url: str) -> BackendError:
     return BackendRejected(status, message)
 
 
-def _abort_error(finish: dict[str, Any] | None) -> BackendError | None:
+def abort_error(finish: dict[str, Any] | None) -> BackendError | None:
     """The error an abort finish reason with an HTTP status carries (SGLang's `FINISH_ABORT(message, status_code)`:
     a grammar that does not compile, 400; a failed step, 500), else None (a plain abort is resubmitted). A streamed
     call gets it as its last chunk, with HTTP 200 (`TokenizerManager._handle_abort_finish_reason`): it is the
@@ -229,13 +229,13 @@ def _abort_error(finish: dict[str, Any] | None) -> BackendError | None:
     status = finish.get("status_code")
     if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status < 600:
         return None
-    return _status_error(status, orjson.dumps({"error": {"message": str(finish.get("message") or "")}}),
+    return status_error(status, orjson.dumps({"error": {"message": str(finish.get("message") or "")}}),
                          "/generate")
 
 
-def _event_error(obj: dict[str, Any]) -> BackendError:
+def event_error(obj: dict[str, Any]) -> BackendError:
     """An `error` event: SGLang sends it for what a non-streaming call answers with 400."""
     err = obj["error"]
     code = err.get("code") if isinstance(err, dict) else obj.get("code")
     status = code if isinstance(code, int) and code >= 400 else 400
-    return _status_error(status, orjson.dumps(obj), "/generate stream")
+    return status_error(status, orjson.dumps(obj), "/generate stream")
