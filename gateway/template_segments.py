@@ -398,6 +398,16 @@ class Renderer:
         out, _ = _run(self.plan.tail, {**scope, "add_generation_prompt": add_generation_prompt})
         return out
 
+    def whole(self, variables: Mapping[str, Any], messages: Sequence[Any], inputs: bytes) -> tuple[str, RenderCut]:
+        """The whole render of `messages` with a generation prompt, as head + segments + tail (the plan's identity:
+        the head's text kept by what it reads, each segment rendered once), and its cut (`cut`'s, found without a
+        second render of the last segments and the tail)."""
+        n = len(messages)
+        at = self.plan.cut_index(n)
+        head, scope = self.head(messages, variables)
+        before = head + self.segments(scope, 0, at)
+        return before + self.segments(scope, at, n) + self.tail(scope, True), RenderCut(n, at, len(before), inputs)
+
     def cut(self, variables: Mapping[str, Any], messages: Sequence[Any], inputs: bytes, text: str) -> RenderCut | None:
         """Where `text`, the whole render of `messages` with a generation prompt, ends its head and the segments that
         later messages cannot change. The segments after them and the tail are rendered again and must end `text`."""

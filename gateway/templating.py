@@ -204,9 +204,26 @@ class ChatTemplate:
     ) -> tuple[list[int], str, RenderCut | None]:
         """`render_prompt`, and where a turn extending this one may cut the text (`extension`'s `parent_cut`)."""
         hf_messages, hf_tools, hf_kwargs, marked = self._template_input(messages, tools, kwargs)
+        fast = None if marked else self._whole_by_segments(hf_messages, hf_tools, hf_kwargs)
+        if fast is not None:
+            text, cut = fast
+            return self._encode(text, False), text, cut
         text = self._render(hf_messages, hf_tools, True, hf_kwargs)
         cut = None if marked else self._cut(hf_messages, hf_tools, hf_kwargs, text)
         return self._encode(text, marked), (self._encoder.unmark(text) if marked else text), cut
+
+    def _whole_by_segments(self, hf_messages: list[dict[str, Any]], hf_tools: list[Any] | None,
+                           kwargs: Mapping[str, Any]) -> tuple[str, RenderCut] | None:
+        """`_render`'s text with a generation prompt and its cut, rendered by segments (`Renderer.whole`: the head
+        of a run's system prompt and tools is rendered once, not on every first turn); None when the template
+        renders whole only, or when this render raised (the whole render then raises what the template raises)."""
+        renderer = segment_renderer(self.tokenizer.get_chat_template(self.chat_template, hf_tools))
+        if renderer is None:
+            return None
+        try:
+            return renderer.whole(self._segment_variables(hf_tools, kwargs), hf_messages, inputs_json(hf_tools, kwargs))
+        except Exception:  # the whole render below raises it, with the template's own message
+            return None
 
     def _segment_variables(self, hf_tools: list[Any] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """What `_render` passes the template besides the messages and add_generation_prompt."""

@@ -10,9 +10,9 @@ and ~1.5 ms on PostgreSQL (py-spy on `benchmarks/gateway.py`), more than all the
 - SQLite: one sqlite3 connection of its own (out of the pool, autocommit), used on the event loop's thread
   like the rest of the embedded store (`db.InLoopEngine`); turns are group-committed (BEGIN IMMEDIATE, bump
   and insert each, COMMIT) under the store's write lock, and each caller returns once its turn's commit did.
-- PostgreSQL: an asyncpg pool of its own; the insert is one statement (a data-modifying CTE bumps the
-  session's turn count and inserts the turn with that seq), so it costs one round trip and is atomic and
-  durable when it returns. asyncpg prepares each statement once per connection.
+- PostgreSQL: asyncpg connections of its own (`pg_pool.PgConnections`, not asyncpg's Pool); the insert is one
+  statement (a data-modifying CTE bumps the session's turn count and inserts the turn with that seq), so it costs
+  one round trip and is atomic and durable when it returns. asyncpg prepares each statement once per connection.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from sqlalchemy.dialects import postgresql
 
 from gateway.errors import Conflict, NotFound
 from gateway.store.models import TURN_RECORD_FIELDS, Group, Session, Turn, TurnRecord
+from gateway.store.pg_pool import PgConnections
 
 G = cast(Table, Group.__table__)
 S = cast(Table, Session.__table__)
@@ -389,19 +390,15 @@ class PgStatements:
         + " FROM s RETURNING seq"
     )
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: PgConnections) -> None:
         self.pool = pool
 
     @classmethod
     async def open(cls, connect_args: dict[str, Any], max_size: int = 16) -> PgStatements:
         """`connect_args`: asyncpg.connect keywords, as SQLAlchemy's asyncpg dialect derives them from the URL."""
-        import asyncpg
-
-        # No reset on release (asyncpg's default is a round trip per release, ~5% of the gateway's CPU): these
-        # statements leave no session state behind (no transaction, SET, LISTEN or advisory lock). No idle
-        # expiry either: it arms and cancels a timer on every release and acquire.
-        return cls(await asyncpg.create_pool(min_size=1, max_size=max_size, reset=_keep_as_is,
-                                             max_inactive_connection_lifetime=0, **connect_args))
+        # Not asyncpg's Pool: its acquire and release cost 40-75 us of CPU a statement (gateway.store.pg_pool). These
+        # statements leave no session state behind (no SET, LISTEN or advisory lock; a transaction ends in it).
+        return cls(await PgConnections.open(connect_args, max_size))
 
     async def session_auth(self, column: str, value: str) -> AuthRow | None:
         return _auth_row(await self.pool.fetchrow(f"{_AUTH}{column} = $1", value))
@@ -422,13 +419,13 @@ class PgStatements:
 
     async def create_group(self, group: list[Any], sessions: list[list[Any]]) -> None:
         """A group's row and its sessions' rows (`row_params` of each) in one transaction."""
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self.pool.holding() as conn, conn.transaction():
             await conn.execute(self._GROUP_INSERT, *group)
             await conn.executemany(self._SESSION_INSERT, sessions)
 
     async def _transaction(self, work: Callable[[Fetch], Awaitable[R]], locked: tuple[str, ...]) -> R:
         """`work`'s statements in one transaction; the reads in `locked` take their rows' locks (FOR UPDATE)."""
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self.pool.holding() as conn, conn.transaction():
 
             async def fetch(sql: str, *params: Any) -> list[Any]:
                 if any(sql is read for read in locked):
@@ -452,14 +449,7 @@ class PgStatements:
                                        (_GROUP_SESSIONS_READ, _GROUP_READ))
 
     async def close(self) -> None:
-        try:
-            await asyncio.wait_for(self.pool.close(), 10)
-        except TimeoutError:  # a connection stuck in a query: shut it without waiting
-            self.pool.terminate()
-
-
-async def _keep_as_is(connection: Any) -> None:
-    """A pool `reset` that does nothing (see `PgStatements.open`)."""
+        await self.pool.close(10)
 
 
 Direct = SqliteStatements | PgStatements

@@ -174,6 +174,44 @@ def test_real_families_extensions_by_segments_equal_whole_renders(real_templates
     assert (fast > 0) == has_plan
 
 
+def _first_renders_agree(ct: ChatTemplate, seed: int) -> int:
+    """First prompts rendered by segments (`render_prompt_cut` with a plan) against the template's whole render,
+    text, ids and cut; returns how many went by segments."""
+    rng, fast = random.Random(seed), 0
+    for _ in range(8):
+        messages = _conversation(rng, rng.randrange(5))
+        tools = TOOLS if rng.random() < 0.6 else None
+        hf_messages, hf_tools, hf_kwargs, marked = ct._template_input(messages, tools, None)
+        assert not marked
+        whole = ct._render(hf_messages, hf_tools, True, hf_kwargs)
+        ids, text, cut = ct.render_prompt_cut(messages, tools)
+        assert text == whole and ids == ct.encode(whole)
+        assert cut == ct._cut(hf_messages, hf_tools, hf_kwargs, whole)
+        fast += ct._whole_by_segments(hf_messages, hf_tools, hf_kwargs) is not None
+    return fast
+
+
+def test_first_prompts_by_segments_equal_whole_renders(real_templates: dict[str, str]) -> None:
+    assert sum(_first_renders_agree(chatml(), seed) for seed in range(4)) == 32
+    for family in ("Qwen2.5", "QwQ", "Kimi-K2", "Qwen3"):
+        ct = ChatTemplate(real_tokenizer(BY_NAME[family]))
+        fast = sum(_first_renders_agree(ct, seed) for seed in range(3))
+        assert (fast == 24) == (family != "Qwen3"), family  # Qwen3 has no plan: its first prompts render whole
+    # a conversation the template refuses raises the template's own error, as its whole render does
+    from engine.tiny_model import build_tokenizer
+
+    refusing = ("{%- for message in messages %}{%- if message.role == 'wizard' %}"
+                "{{ raise_exception('no wizards here') }}{%- endif %}{{ message.content }}|{%- endfor %}")
+    ct = ChatTemplate(build_tokenizer(seed=0, chat_template=refusing))
+    assert segment_renderer(refusing) is not None
+    assert ct.render_prompt_cut([{"role": "user", "content": "U"}], None)[1] == "U|"
+    with pytest.raises(Exception, match="no wizards here") as by_segments:
+        ct.render_prompt_cut([{"role": "user", "content": "U"}, {"role": "wizard", "content": "W"}], None)
+    with pytest.raises(Exception) as whole:
+        ct.render_text([{"role": "user", "content": "U"}, {"role": "wizard", "content": "W"}], None)
+    assert type(by_segments.value) is type(whole.value)
+
+
 def test_what_the_proof_does_not_cover_renders_whole() -> None:
     ct = chatml()
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
