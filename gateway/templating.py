@@ -206,8 +206,7 @@ class ChatTemplate:
         hf_messages, hf_tools, hf_kwargs, marked = self._template_input(messages, tools, kwargs)
         fast = None if marked else self._whole_by_segments(hf_messages, hf_tools, hf_kwargs)
         if fast is not None:
-            text, cut = fast
-            return self._encode(text, False), text, cut
+            return self._encode(fast[0], False), fast[0], fast[1]
         text = self._render(hf_messages, hf_tools, True, hf_kwargs)
         cut = None if marked else self._cut(hf_messages, hf_tools, hf_kwargs, text)
         return self._encode(text, marked), (self._encoder.unmark(text) if marked else text), cut

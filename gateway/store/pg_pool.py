@@ -162,7 +162,7 @@ class PgConnections:
             self._open -= 1
             try:
                 await asyncio.wait_for(conn.close(), timeout)
-            except (TimeoutError, OSError, Exception):  # noqa: B014 - a connection stuck or gone: terminate it
+            except Exception:  # a connection stuck (TimeoutError) or gone: terminate it
                 conn.terminate()
 
     def terminate(self) -> None:
