@@ -405,8 +405,13 @@ def start_gateway(procs: Procs, name: str, backend: str, tokenizer: Path, db: st
         "from gateway.settings import Settings\n"
         "s = Settings(backends=[sys.argv[1]], tokenizer=sys.argv[2], db=sys.argv[3], port=int(sys.argv[4]),"
         " data_dir=sys.argv[5])\n"
-        "uvicorn.run(create_app(s, admin_key=s.admin_key), host='127.0.0.1', port=s.port, loop='uvloop',"
-        " http='httptools', access_log=False, log_level='warning')\n"
+        "app = create_app(s, admin_key=s.admin_key)\n"
+        "try:\n"  # served as `rollway serve` serves it (its uvicorn configuration), where the checkout has it
+        "    from rollway.serve import server_config\n"
+        "    uvicorn.Server(server_config(app, host='127.0.0.1', port=s.port)).run()\n"
+        "except ImportError:\n"
+        "    uvicorn.run(app, host='127.0.0.1', port=s.port, loop='uvloop', http='httptools', access_log=False,"
+        " log_level='warning')\n"
     )
     proc = procs.start(name, [sys.executable, "-c", launch, backend, str(tokenizer), db, str(port),
                               str(procs.logdir / name)], env={"ROLLWAY_ADMIN_KEY": admin_key}, code=code)

@@ -34,6 +34,21 @@ connection, else it may send a request on one the server is closing at that inst
 write request body") and stopped."""
 
 
+def server_config(app: Any, **overrides: Any) -> Any:
+    """The gateway's uvicorn configuration (`rollway serve`; benchmarks/gateway.py runs the gateway with it too):
+    uvloop, uvicorn's httptools protocol with each response's headers and first body bytes in one write
+    (gateway.server_protocol), no access log. proxy_headers off: uvicorn would believe X-Forwarded-For from
+    127.0.0.1, i.e. from any local user; the app believes them from ROLLWAY_TRUSTED_PROXIES only (gateway.proxies)."""
+    import uvicorn
+
+    from gateway.server_protocol import GatewayHttpProtocol
+
+    options: dict[str, Any] = {"log_level": "warning", "access_log": False, "loop": "uvloop", "http": GatewayHttpProtocol,
+                               "timeout_graceful_shutdown": 5, "proxy_headers": False,
+                               "timeout_keep_alive": KEEP_ALIVE_S}
+    return uvicorn.Config(app, **{**options, **overrides})
+
+
 def prepare_database(url: str) -> None:
     """SQLite: bring the embedded file to head. PostgreSQL: refuse to start when behind (docs/architecture.md
     "The store")."""
@@ -172,11 +187,7 @@ def serve(args: argparse.Namespace) -> int:
         app = create_app(settings, admin_key=key, engine_supervisor=supervisor)
         print(f"gateway on http://{settings.host}:{settings.port}  (agents: POST /v1/groups for keys)",
               file=sys.stderr)
-        # proxy_headers off: uvicorn would believe X-Forwarded-For from 127.0.0.1, i.e. from any local user;
-        # the app believes them from ROLLWAY_TRUSTED_PROXIES only (gateway.proxies).
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, loop="uvloop",
-                                               http="httptools", timeout_graceful_shutdown=5, proxy_headers=False,
-                                               timeout_keep_alive=KEEP_ALIVE_S))
+        server = uvicorn.Server(server_config(app))
         threading.Thread(target=announce_readiness, args=(local_url(settings.host, settings.port), settings.backends),
                          name="readiness", daemon=True).start()
         server.run(sockets=[sock])

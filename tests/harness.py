@@ -16,6 +16,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.settings import Settings
+from rollway.serve import server_config
 
 ADMIN_KEY = "rw-admin-test-key"
 
@@ -38,8 +39,7 @@ class LiveGateway:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, lifespan="on", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=2, proxy_headers=False)  # as `rollway serve` runs it
+        config = server_config(self.app, lifespan="on", timeout_graceful_shutdown=2)  # as `rollway serve` runs it
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()
