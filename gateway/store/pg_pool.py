@@ -126,24 +126,21 @@ class PgConnections:
             self._drop(conn)
 
     async def fetchrow(self, sql: str, *args: Any) -> Any:
-        conn = self._idle.pop() if self._idle and not self._closed else await self.acquire()
-        try:
-            row = await conn.fetchrow(sql, *args)
-        except BaseException as e:
-            self.release(conn, e)
-            raise
-        self._release(conn)
-        return row
+        return await self._statement("fetchrow", sql, args)
 
     async def fetchval(self, sql: str, *args: Any) -> Any:
-        conn = self._idle.pop() if self._idle and not self._closed else await self.acquire()
+        return await self._statement("fetchval", sql, args)
+
+    async def _statement(self, method: str, sql: str, args: tuple[Any, ...]) -> Any:
+        """One statement on a connection of the set (asyncpg's `method` of it), the connection then released."""
+        conn = await self.acquire()
         try:
-            value = await conn.fetchval(sql, *args)
+            result = await getattr(conn, method)(sql, *args)
         except BaseException as e:
             self.release(conn, e)
             raise
         self._release(conn)
-        return value
+        return result
 
     def holding(self) -> _Held:
         """`async with conns.holding() as conn:` one connection for several statements (a transaction)."""
