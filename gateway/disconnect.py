@@ -77,7 +77,7 @@ class _Watch:
         self.pool = pool
         self.done = asyncio.Event()
         self.task: asyncio.Future[Any] | None = None
-        self.timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+        self.timer = services(request).loop.call_later(WATCH_AFTER_S, self._start)
 
     def _start(self) -> None:
         self.task = asyncio.ensure_future(self.receive())

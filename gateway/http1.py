@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 import urllib.parse
 
 import httptools
@@ -43,11 +44,15 @@ class _Connection(asyncio.Protocol):
         """Whether any byte of the current answer arrived."""
         self.reusable = True
         self.idle_since = 0.0
+        """When it went back to the idle list (`time.monotonic()`)."""
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The loop it was made on: `asyncio.get_running_loop()` costs a getpid() system call a use on Python 3.11."""
 
     # -- asyncio.Protocol --
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         if self.waiter is None:  # bytes nobody asked for: the connection cannot be trusted
@@ -119,12 +124,11 @@ class Http1Client:
                 % (self._base, path.encode(), self._host_header, self._extra, len(body)))
         conn = self._take()
         if conn is not None:
-            loop = asyncio.get_running_loop()
-            sent = loop.time()
+            sent = time.monotonic()
             try:
                 return await self._exchange(conn, head + body, timeout)
             except ConnectionError:
-                waited = loop.time() - sent
+                waited = time.monotonic() - sent
                 if conn.answered or waited > STALE_WINDOW_S:
                     raise
                 if timeout is not None:
@@ -140,7 +144,7 @@ class Http1Client:
                 conn.transport.close()
 
     def _take(self) -> _Connection | None:
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()  # the most recently used: the least likely to be stale
             usable = conn.reusable and conn.transport is not None and not conn.transport.is_closing()
@@ -164,7 +168,7 @@ class Http1Client:
             # write would raise RuntimeError on uvloop, or be dropped unanswered on asyncio's loop.
             conn.transport.close()
             raise ConnectionResetError("the server closed the connection before the request was sent")
-        loop = asyncio.get_running_loop()
+        loop = conn.loop or asyncio.get_running_loop()
         waiter: asyncio.Future[tuple[int, bytes]] = loop.create_future()
         conn.waiter, conn.status, conn.body, conn.answered = waiter, 0, [], False
         timer = None
@@ -182,7 +186,7 @@ class Http1Client:
             if timer is not None:
                 timer.cancel()
         if conn.reusable:
-            conn.idle_since = loop.time()
+            conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
             conn.transport.close()

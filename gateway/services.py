@@ -108,6 +108,9 @@ class Services:
     ui_session_ttl_s: float = SESSION_TTL_S
     ui_overview: tuple[float, dict[str, object]] | None = None
     """The viewer overview's last computation: (monotonic time, its JSON)."""
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    """The loop the app serves on (its lifespan's): handlers take it from here, where `asyncio.get_running_loop()`
+    makes a getpid() system call each time on Python 3.11."""
 
     @property
     def view_only(self) -> bool:

@@ -253,6 +253,9 @@ class SqliteStatements:
         self.write_lock = write_lock
         self._queue: list[tuple[str, float, list[Any], asyncio.Future[int]]] = []
         self._writer: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The store's loop (it is opened and closed on one), kept: `asyncio.get_running_loop()` makes a getpid()
+        system call each time on Python 3.11."""
 
     async def session_auth(self, column: str, value: str) -> AuthRow | None:
         return _auth_row(self.db.execute(f"{_AUTH}{column} = ?", (value,)).fetchone())
@@ -263,10 +266,13 @@ class SqliteStatements:
     def insert_turn_started(self, session_id: str, now: float, turn: TurnRecord) -> asyncio.Future[int]:
         """The turn queued for the writer's next group commit; the future resolves to its seq once committed."""
         params = [session_id, 0, now, *turn_params(turn)]
-        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        done: asyncio.Future[int] = loop.create_future()
         self._queue.append((session_id, now, params, done))
         if self._writer is None:  # it starts after this turn of the loop: what else is stored in it joins
-            self._writer = asyncio.ensure_future(self._write())
+            self._writer = loop.create_task(self._write())
         return done
 
     async def _write(self) -> None:

@@ -54,10 +54,13 @@ os.register_at_fork(after_in_child=_unique.seed)
 
 
 def unique_id(prefix: str) -> str:
-    """128 random bits, hex, for ids that must be unique but are no secret (turns, backend requests): a
-    pseudo-random draw, without new_id's system call per id on the hot path. Predictable from earlier ids:
+    """128 bits, hex, for ids that must be unique but are no secret (turns, backend requests): the time in
+    milliseconds (48 bits), then 80 pseudo-random bits, drawn without new_id's system call per id on the hot path.
+    Time first, as UUIDv7 does: the turns' primary-key index takes each new id at its right end, as the table
+    takes the row, where random ids landed on a random page of it each (one more page written a turn, SQLite's
+    WAL and PostgreSQL's alike, and read back once the index outgrew the cache). Predictable from earlier ids:
     never use one as a capability (a turn id only ever counts together with its session's key or id)."""
-    return f"{prefix}{_unique.getrandbits(128):032x}"
+    return f"{prefix}{int(time.time() * 1000) & 0xFFFF_FFFF_FFFF:012x}{_unique.getrandbits(80):020x}"
 
 
 def hash_key(key: str) -> str:
