@@ -36,6 +36,9 @@ class PgConnections:
         self._open = 0  # connections open or being opened
         self._waiters: deque[asyncio.Future[Any]] = deque()
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop they are used on, kept: `asyncio.get_running_loop()` is a getpid() system call on Python 3.11,
+        and past 16 statements at once every one waits."""
 
     @classmethod
     async def open(cls, connect_args: dict[str, Any], max_size: int) -> PgConnections:
@@ -67,7 +70,10 @@ class PgConnections:
             return self._idle.pop()
         if self._open < self._max:
             return await self._new()
-        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[Any] = loop.create_future()
         self._waiters.append(waiter)
         try:
             conn = await waiter

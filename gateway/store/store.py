@@ -112,6 +112,9 @@ class Store(ViewerStore):
         self.direct: Direct | None = None
         """The per-call statements straight to the driver; set by `open`."""
         self._idempotency_secret = idempotency.Secret(engine)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop the store is used on (it is opened and closed on one), kept: `asyncio.get_running_loop()` is a
+        getpid() system call on Python 3.11."""
         self.on_group_end: Callable[[str], None] | None = None
         """Called with "complete" or "dropped" once a commit moved a group there (by a session's reward, end or
         idle timeout): the gateway wakes the long-polls waiting for that (gateway/changes.py)."""
@@ -246,7 +249,10 @@ class Store(ViewerStore):
         commit, with no task of its own (a shielded coroutine was one more task and loop step a call)."""
         if isinstance(self.direct, SqliteStatements):
             return self.direct.insert_turn_started(session_id, time.time(), turn)
-        return asyncio.ensure_future(self.insert_turn(session_id, turn))
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop.create_task(self.insert_turn(session_id, turn))
 
     async def insert_turn(self, session_id: str, turn: TurnRecord) -> int:
         """Store one turn and bump the session's turn count; returns the turn's seq. Durable on return."""
