@@ -162,13 +162,13 @@ class Http1Client:
         return conn
 
     async def _exchange(self, conn: _Connection, request: bytes, timeout: float | None) -> tuple[int, bytes]:
-        assert conn.transport is not None
+        assert conn.transport is not None and conn.loop is not None  # both set by connection_made
         if conn.transport.is_closing():
             # Lost between connecting and now (a server killed after its kernel accepted): nothing would answer; a
             # write would raise RuntimeError on uvloop, or be dropped unanswered on asyncio's loop.
             conn.transport.close()
             raise ConnectionResetError("the server closed the connection before the request was sent")
-        loop = conn.loop or asyncio.get_running_loop()
+        loop = conn.loop
         waiter: asyncio.Future[tuple[int, bytes]] = loop.create_future()
         conn.waiter, conn.status, conn.body, conn.answered = waiter, 0, [], False
         timer = None

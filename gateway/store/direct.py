@@ -248,14 +248,13 @@ class SqliteStatements:
                f"VALUES ({', '.join('?' for _ in (*_SET_BY_STORE, *INSERTED_COLUMNS))})")
     _SEQ = _SET_BY_STORE.index("seq")
 
-    def __init__(self, db: sqlite3.Connection, write_lock: asyncio.Lock) -> None:
+    def __init__(self, db: sqlite3.Connection, write_lock: asyncio.Lock, loop: asyncio.AbstractEventLoop) -> None:
         self.db = db
         self.write_lock = write_lock
         self._queue: list[tuple[str, float, list[Any], asyncio.Future[int]]] = []
         self._writer: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        """The store's loop (it is opened and closed on one), kept: `asyncio.get_running_loop()` makes a getpid()
-        system call each time on Python 3.11."""
+        self._loop = loop
+        """The store's loop (`Store.open`'s)."""
 
     async def session_auth(self, column: str, value: str) -> AuthRow | None:
         return _auth_row(self.db.execute(f"{_AUTH}{column} = ?", (value,)).fetchone())
@@ -266,13 +265,10 @@ class SqliteStatements:
     def insert_turn_started(self, session_id: str, now: float, turn: TurnRecord) -> asyncio.Future[int]:
         """The turn queued for the writer's next group commit; the future resolves to its seq once committed."""
         params = [session_id, 0, now, *turn_params(turn)]
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        done: asyncio.Future[int] = loop.create_future()
+        done: asyncio.Future[int] = self._loop.create_future()
         self._queue.append((session_id, now, params, done))
         if self._writer is None:  # it starts after this turn of the loop: what else is stored in it joins
-            self._writer = loop.create_task(self._write())
+            self._writer = self._loop.create_task(self._write())
         return done
 
     async def _write(self) -> None:

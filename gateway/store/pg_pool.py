@@ -27,7 +27,7 @@ from typing import Any
 
 
 class PgConnections:
-    def __init__(self, connect: Callable[[], Awaitable[Any]], max_size: int) -> None:
+    def __init__(self, connect: Callable[[], Awaitable[Any]], max_size: int, loop: asyncio.AbstractEventLoop) -> None:
         if max_size < 1:
             raise ValueError("max_size must be at least 1")
         self._connect = connect
@@ -36,16 +36,16 @@ class PgConnections:
         self._open = 0  # connections open or being opened
         self._waiters: deque[asyncio.Future[Any]] = deque()
         self._closed = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        """The loop they are used on, kept: `asyncio.get_running_loop()` is a getpid() system call on Python 3.11,
-        and past 16 statements at once every one waits."""
+        self._loop = loop
+        """The loop they are used on (`open`'s): `asyncio.get_running_loop()` is a getpid() system call on Python
+        3.11, and past 16 statements at once every acquire waits."""
 
     @classmethod
     async def open(cls, connect_args: dict[str, Any], max_size: int) -> PgConnections:
         """One connection opened now (a bad URL or an unreachable server fails at start, as `create_pool` did)."""
         import asyncpg
 
-        conns = cls(lambda: asyncpg.connect(**connect_args), max_size)
+        conns = cls(lambda: asyncpg.connect(**connect_args), max_size, asyncio.get_running_loop())
         conns._release(await conns._new())
         return conns
 
@@ -70,10 +70,7 @@ class PgConnections:
             return self._idle.pop()
         if self._open < self._max:
             return await self._new()
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[Any] = loop.create_future()
+        waiter: asyncio.Future[Any] = self._loop.create_future()
         self._waiters.append(waiter)
         try:
             conn = await waiter

@@ -113,8 +113,8 @@ class Store(ViewerStore):
         """The per-call statements straight to the driver; set by `open`."""
         self._idempotency_secret = idempotency.Secret(engine)
         self._loop: asyncio.AbstractEventLoop | None = None
-        """The loop the store is used on (it is opened and closed on one), kept: `asyncio.get_running_loop()` is a
-        getpid() system call on Python 3.11."""
+        """The loop `open` ran on, which the store is used and closed on: the hot path takes it from here, where
+        `asyncio.get_running_loop()` is a getpid() system call on Python 3.11."""
         self.on_group_end: Callable[[str], None] | None = None
         """Called with "complete" or "dropped" once a commit moved a group there (by a session's reward, end or
         idle timeout): the gateway wakes the long-polls waiting for that (gateway/changes.py)."""
@@ -123,10 +123,11 @@ class Store(ViewerStore):
         """Open the direct path of the per-call statements (see `direct.py`)."""
         if self.direct is not None:
             return
+        self._loop = asyncio.get_running_loop()
         if isinstance(self.engine, InLoopEngine):
             db = self.engine.hot_connection()
             if db is not None and self._write_lock is not None:
-                self.direct = SqliteStatements(db, self._write_lock)
+                self.direct = SqliteStatements(db, self._write_lock, self._loop)
         elif self.engine.dialect.name == "postgresql":
             _, connect_args = self.engine.dialect.create_connect_args(self.engine.url)
             self.direct = await PgStatements.open(dict(connect_args))
@@ -249,10 +250,7 @@ class Store(ViewerStore):
         commit, with no task of its own (a shielded coroutine was one more task and loop step a call)."""
         if isinstance(self.direct, SqliteStatements):
             return self.direct.insert_turn_started(session_id, time.time(), turn)
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        return loop.create_task(self.insert_turn(session_id, turn))
+        return (self._loop or asyncio.get_running_loop()).create_task(self.insert_turn(session_id, turn))
 
     async def insert_turn(self, session_id: str, turn: TurnRecord) -> int:
         """Store one turn and bump the session's turn count; returns the turn's seq. Durable on return."""
