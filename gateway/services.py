@@ -260,6 +260,7 @@ async def open_services(settings: Settings, *, admin_key: str, serve: bool = Tru
     turns = TurnService(
         store=store, template=template, cache=SessionCache(store), metrics=metrics, context_length=ctx,
         reasoning=settings.reasoning, chat_template_kwargs=settings.chat_template_kwargs,
+        loop=asyncio.get_running_loop(),
     )
     on = Serving(pool=pool, template=template, metrics=metrics, leases=leases, publisher=publisher,
                  admission=Admission(leases, settings, metrics), registry=registry, turns=turns,

@@ -29,6 +29,7 @@ import orjson
 from gateway.continuity import Candidate
 from gateway.errors import BadRequest, Conflict, ContextLengthExceeded
 from gateway.generation import Generation
+from gateway.loop_batch import LoopBatch
 from gateway.metrics import Metrics
 from gateway.prompt_limits import max_chars_per_token
 from gateway.sessions_cache import PromptIds, SessionCache, SessionView, ids_json, join_json, share_messages
@@ -86,9 +87,11 @@ class TurnService:
         reasoning: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         id_prefix: str = "chatcmpl-",
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         """`reasoning`: split reasoning off replies (Settings.reasoning); `chat_template_kwargs`: the defaults
-        every render gets (Settings.chat_template_kwargs), under a request's own."""
+        every render gets (Settings.chat_template_kwargs), under a request's own; `loop`: the app's (None: each
+        call's running loop)."""
         self.store = store
         self.template = template
         self.tokenizer = template.tokenizer
@@ -108,6 +111,8 @@ class TurnService:
         """A text with more characters is at least context_length tokens: refused without tokenizing."""
         self._executor: ThreadPoolExecutor | None = None
         self._local = threading.local()
+        self._prompts = LoopBatch(loop)
+        """A chat turn's prompt (`_continue`), run back to back with the others of the same turn of the loop."""
         _thread_template(template)  # fails here, at start, if the template no longer copies as it expects
 
     # --- before generation -----------------------------------------------------------------------
@@ -148,8 +153,8 @@ class TurnService:
             delta, reason = prompt, "completions_endpoint"
         elif big:
             parent_id, reason, prompt, delta, text, digest, cut = await self.off_loop(self._continue, view, req, True)
-        else:
-            parent_id, reason, prompt, delta, text, digest, cut = self._continue(view, req)
+        else:  # with the other calls' prompts of this turn of the loop (gateway/loop_batch.py)
+            parent_id, reason, prompt, delta, text, digest, cut = await self._prompts.run(self._continue, view, req)
         if max_session_tokens is not None and recorded + len(prompt) > max_session_tokens:
             raise session_full(auth.id, recorded, len(prompt), max_session_tokens, req)
         max_new = self._budget(len(prompt), req.max_tokens, req.fit_to_context)
