@@ -30,12 +30,11 @@ class LoopBatch:
     service on several loops). A caller cancelled before its turn is skipped; an exception goes to its caller
     only."""
 
-    __slots__ = ("_loop", "_pending", "_pending_loop", "batches", "calls")
+    __slots__ = ("_loop", "_pending", "batches", "calls")
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop
         self._pending: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
-        self._pending_loop: asyncio.AbstractEventLoop | None = None
         self.batches = 0
         """Batches run so far (with `calls`: the mean batch size)."""
         self.calls = 0
@@ -43,11 +42,11 @@ class LoopBatch:
     def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         loop = self._loop or asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
-        if not self._pending or loop is not self._pending_loop:  # a new batch (one left on a closed loop is dropped)
-            self._pending = []
-            self._pending_loop = loop
-            loop.call_soon(self._flush, self._pending)
-        self._pending.append((fn, args, done))
+        pending = self._pending
+        if not pending or pending[0][2].get_loop() is not loop:  # a new batch (one left on a closed loop is dropped)
+            pending = self._pending = []
+            loop.call_soon(self._flush, pending)
+        pending.append((fn, args, done))
         return done
 
     def _flush(self, pending: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]]) -> None:
@@ -55,9 +54,8 @@ class LoopBatch:
             self._pending = []
         self.batches += 1
         self.calls += len(pending)
-        i = 0
         try:
-            for i, (fn, args, done) in enumerate(pending):  # noqa: B007 (i: where a KeyboardInterrupt stopped)
+            for fn, args, done in pending:
                 if done.done():  # its caller was cancelled meanwhile
                     continue
                 try:
@@ -66,8 +64,7 @@ class LoopBatch:
                     done.set_exception(e)
                 else:
                     done.set_result(result)
-        except BaseException:  # KeyboardInterrupt, SystemExit: the calls not run yet are cancelled, not left waiting
-            for _, _, done in pending[i:]:
+        finally:  # a KeyboardInterrupt or SystemExit out of one: the calls not run yet are cancelled, not left waiting
+            for _, _, done in pending:
                 if not done.done():
                     done.cancel()
-            raise

@@ -96,6 +96,21 @@ def test_one_batch_object_serves_loop_after_loop() -> None:
     assert asyncio.run(one(2)) == 2  # a new loop: a new batch, nothing left from the closed one
 
 
+def test_a_batch_left_on_a_closed_loop_does_not_hold_up_the_next() -> None:
+    batch = LoopBatch()
+    old = asyncio.new_event_loop()
+    old.call_soon(lambda: batch.run(lambda: 1))  # queued: its flush comes after the stop below
+    old.call_soon(old.stop)
+    old.run_forever()
+    old.close()
+    assert len(batch._pending) == 1  # left behind, its flush never run
+
+    async def one() -> int:
+        return await asyncio.wait_for(batch.run(lambda: 2), 5)  # would wait forever if it joined that batch
+
+    assert asyncio.run(one()) == 2
+
+
 # --- through a live gateway --------------------------------------------------------------------------------------
 
 SESSIONS = 24
