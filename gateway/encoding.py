@@ -40,6 +40,7 @@ from typing import Any
 
 import orjson
 
+from gateway.byte_level import ByteLevelWords
 from gateway.errors import BadRequest
 
 MARK_BASE = 0x100000
@@ -68,6 +69,7 @@ class CachedEncoder:
         self._specials: dict[str, int] = {}
         self._split: re.Pattern[str] | None = None
         self._batch_fast: Any = None
+        self._words: ByteLevelWords | None = None
         self._guard: _ContentGuard | None = _ContentGuard(tokenizer, markup) if protect_content else None
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None or backend.truncation is not None or backend.padding is not None:
@@ -93,6 +95,7 @@ class CachedEncoder:
                     self._backend = None  # not the same here: whole-text encodes
                     self._cache.clear()
                     return
+        self._words = ByteLevelWords.build(backend)
 
     @property
     def piecewise(self) -> bool:
@@ -158,7 +161,9 @@ class CachedEncoder:
         if ids is not None:
             cache.move_to_end(piece)
             return ids
-        if self._batch_fast is not None:
+        if self._words is not None and piece.isascii():
+            ids = tuple(self._words.encode(piece))
+        elif self._batch_fast is not None:
             ids = tuple(self._batch_fast([piece], add_special_tokens=False)[0].ids)
         else:
             ids = tuple(self._backend.encode(piece, add_special_tokens=False).ids)
