@@ -1,4 +1,5 @@
-"""ASCII text to ids for byte-level BPE tokenizers, word by word, with each word's ids cached.
+"""ASCII text to ids for byte-level BPE tokenizers, word by word, with each word's ids cached; ids to text by a
+table of each token's bytes.
 
 A byte-level BPE tokenizer (GPT-2's family: Qwen, Llama 3, DeepSeek, Mistral's Tekken, gpt-oss) encodes a piece
 of text in three steps: normalize it (NFC or nothing), cut it into words with its pre-tokenizer's regex, then map
@@ -15,11 +16,19 @@ the tokenizer. Only a tokenizer whose parts are all read and understood qualifie
 normalizer, each pre-tokenizer, the BPE model's options, no added token matched after normalization), and then
 only if its ids agree with the tokenizer's own on every ASCII character in a set of contexts (`_PROBES`); any
 difference and the tokenizer encodes everything, as before.
+
+Decoding (`ByteLevelBytes`): tokenizers' ByteLevel decoder maps each token's characters back to bytes (a token
+with a character outside the map, such as an added token's "｜", gives its UTF-8 as it is), joins them and
+decodes the whole lossily (U+FFFD for each maximal invalid subsequence, which Python's "replace" handler does
+too). A table of every id's bytes does the same in one join (~1 µs for a 30-token reply against ~12 µs); it is
+taken only for a tokenizer whose decoder is that one alone and whose every id decodes alike both ways, and whose
+decodes of id sequences that cut characters apart agree too.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import regex
@@ -29,6 +38,21 @@ _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\
 """ByteLevel's own regex when `use_regex` is true (tokenizers' `pre_tokenizers/byte_level.rs`)."""
 MAX_WORDS = 1 << 16
 """Words whose ids are kept (~10 MB at most); the cache starts afresh when full."""
+
+
+def _byte_map() -> dict[int, str]:
+    """GPT-2's `bytes_to_unicode`: each byte's printable stand-in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+_CHAR_BYTES = {c: b for b, c in _byte_map().items()}
 
 
 def _byte_chars() -> dict[int, str]:
@@ -167,3 +191,54 @@ def _probes() -> list[str]:
 
 
 _PROBES = _probes()
+
+
+class ByteLevelBytes:
+    """Ids to text as a tokenizers ByteLevel decoder gives it (special tokens kept)."""
+
+    def __init__(self, table: list[bytes]) -> None:
+        self._table = table
+
+    @classmethod
+    def build(cls, backend: Any, probes: int = 300) -> ByteLevelBytes | None:
+        """For a tokenizers `Tokenizer` whose decoder is ByteLevel alone, checked id by id and on `probes` random
+        sequences against its own decode; None otherwise."""
+        try:
+            decoder = _state(backend.decoder)
+            if decoder is None or decoder.get("type") != "ByteLevel":
+                return None
+            size = int(backend.get_vocab_size(with_added_tokens=True))
+            extra = [int(i) for i in backend.get_added_tokens_decoder()]
+            size = max([size, *(i + 1 for i in extra)])  # an added token may sit past the vocabulary's size
+            table = [_token_bytes(backend.id_to_token(i)) for i in range(size)]
+        except Exception:  # a part that cannot be read: the tokenizer decodes
+            return None
+        out = cls(table)
+        ids = range(len(table))
+        for i in ids:
+            if out.decode([i]) != backend.decode([i], skip_special_tokens=False):
+                return None
+        rng = random.Random(0)
+        multibyte = [i for i, raw in enumerate(table) if raw and not raw.isascii()] or list(ids)
+        seqs = [[rng.choice(multibyte), i, rng.choice(multibyte)] for i in extra]  # added tokens amid cut characters
+        for _ in range(probes):
+            seqs.append([rng.choice(multibyte) if rng.random() < 0.7 else rng.randrange(len(table))
+                         for _ in range(rng.randint(1, 24))])
+        for seq in seqs:
+            if out.decode(seq) != backend.decode(seq, skip_special_tokens=False):
+                return None
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        """Ids to text; an id outside the table raises IndexError (the tokenizer's own decode is then asked)."""
+        table = self._table
+        return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+
+
+def _token_bytes(token: str | None) -> bytes:
+    if token is None:
+        return b""
+    try:
+        return bytes([_CHAR_BYTES[c] for c in token])
+    except KeyError:
+        return token.encode()

@@ -179,6 +179,7 @@ def load_template(settings: Settings) -> ChatTemplate:
         raise ValueError(f"the tokenizer in {settings.tokenizer} has no chat template")
     template = ChatTemplate(tok, tool_parser=settings.tool_parser, reasoning_parser=settings.reasoning_parser,
                             allow_special_tokens_in_content=settings.allow_special_tokens_in_content)
+    template.warm_decoder()  # its table of each id's bytes, built before the first reply needs it
     if template.tool_parser is None and settings.tool_parser == "auto":
         log.warning("the chat template of %s writes tool calls in no format the gateway knows: requests with "
                     "tools will be refused (400) until --tool-parser names the format; requests without tools "

@@ -13,7 +13,7 @@ import pytest
 from tokenizers import AddedToken, normalizers
 
 from gateway import byte_level
-from gateway.byte_level import ByteLevelWords
+from gateway.byte_level import ByteLevelBytes, ByteLevelWords
 from gateway.encoding import CachedEncoder
 from tests.gateway.test_encoding import metaspace_tokenizer, random_texts
 from tests.gateway.text_tokenizers import chatml_tokenizer, llama31_tokenizer
@@ -127,7 +127,8 @@ def test_a_pattern_that_cuts_otherwise_fails_the_probes(monkeypatch: pytest.Monk
 @pytest.mark.parametrize("family", ["Qwen2.5", "Llama 3.1", "DeepSeek V3.1", "Mistral Nemo", "Granite 3.3"])
 def test_real_vocabularies(family: str) -> None:
     """The byte-level vocabularies of llama.cpp's corpus (Qwen2's, Llama 3's, DeepSeek LLM's, GPT-2's,
-    StarCoder's; three regexes between them) take the word path and give their tokenizer's ids."""
+    StarCoder's; three regexes between them) take the word path and give their tokenizer's ids, and the table of
+    their ids' bytes gives their tokenizer's text."""
     try:
         tok = real_tokenizer(BY_NAME[family])
     except Unavailable as e:
@@ -136,3 +137,65 @@ def test_real_vocabularies(family: str) -> None:
     assert enc._words is not None
     for text in ascii_texts(1000, seed=5) + source_texts()[::3]:
         assert enc.encode(text) == tok.encode(text, add_special_tokens=False), repr(text)
+    table = ByteLevelBytes.build(tok.backend_tokenizer)
+    assert table is not None
+    for ids in decode_cases(tok, 1000, seed=7):
+        assert table.decode(ids) == tok.backend_tokenizer.decode(ids, skip_special_tokens=False), ids
+
+
+# --- ids to text -----------------------------------------------------------------------------------------------
+
+
+def random_ids(table_size: int, multibyte: list[int], added: list[int], n: int, seed: int) -> list[list[int]]:
+    """Id sequences that cut characters apart (tokens holding part of a UTF-8 sequence), with added tokens."""
+    rng = random.Random(seed)
+    pools = [multibyte, added or multibyte, range(table_size)]
+    return [[rng.choice(rng.choices(pools, weights=[6, 1, 3])[0]) for _ in range(rng.randint(0, 40))] for _ in range(n)]
+
+
+def decode_cases(tok: Any, n: int, seed: int) -> list[list[int]]:
+    backend = tok.backend_tokenizer
+    size = backend.get_vocab_size(with_added_tokens=True)
+    multibyte = [i for i in range(size) if not all(ord(c) < 0x100 and c.isprintable() for c in backend.id_to_token(i))]
+    added = [int(i) for i in backend.get_added_tokens_decoder()]
+    return random_ids(size, multibyte, added, n, seed)
+
+
+@pytest.mark.parametrize("make", [chatml_tokenizer, llama31_tokenizer], ids=["chatml", "llama31"])
+def test_decode_by_table_equals_the_tokenizers_decode(make: Any) -> None:
+    from gateway.templating import ChatTemplate
+
+    tok = make()
+    ct = ChatTemplate(tok)
+    assert ct.warm_decoder() is not None
+    backend = tok.backend_tokenizer
+    for ids in decode_cases(tok, 3000, seed=6):
+        want = backend.decode(ids, skip_special_tokens=False).replace("\x00", "\ufffd")
+        assert ct.decode(ids) == want, ids
+
+
+def test_ids_the_table_has_not_go_to_the_tokenizer() -> None:
+    """A model's vocabulary may be padded past the tokenizer's (Qwen: 151,936 against 151,665 ids): the tokenizer
+    skips such an id, and so does decode; a negative id is the tokenizer's to refuse, as before."""
+    from gateway.templating import ChatTemplate
+
+    tok = chatml_tokenizer()
+    ct = ChatTemplate(tok)
+    size = tok.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+    ids = tok.encode("hello there", add_special_tokens=False)
+    assert ct.decode([*ids, size + 5, *ids]) == tok.backend_tokenizer.decode([*ids, size + 5, *ids])
+    with pytest.raises(OverflowError):
+        tok.backend_tokenizer.decode([-1])
+    with pytest.raises(OverflowError):
+        ct.decode([*ids, -1])
+
+
+def test_a_tokenizer_with_another_decoder_decodes_itself() -> None:
+    from gateway.templating import ChatTemplate
+
+    tok = metaspace_tokenizer("always")
+    tok.chat_template = chatml_tokenizer().chat_template
+    ct = ChatTemplate(tok, end_of_turn="</s>")
+    assert ct.warm_decoder() is None
+    ids = tok.encode("Hello there friend", add_special_tokens=False)
+    assert ct.decode(ids) == tok.backend_tokenizer.decode(ids, skip_special_tokens=False)
