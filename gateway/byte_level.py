@@ -5,22 +5,26 @@ A byte-level BPE tokenizer (GPT-2's family: Qwen, Llama 3, DeepSeek, Mistral's T
 of text in three steps: normalize it (NFC or nothing), cut it into words with its pre-tokenizer's regex, then map
 each word's UTF-8 bytes to printable characters and run BPE on that word alone. The words of agent traffic repeat
 ("Lisbon", " the", "\\n\\n", a JSON key), so once a word's ids are known, BPE is a dictionary hit. What is left is
-the regex, and there tokenizers' Rust pre-tokenizer costs ~0.2 µs a character (~16 µs for a 70-character user
-message, ~0.5 ms for a 2,400-character tool result) where the same pattern in the `regex` package takes about a
-third of that. On `benchmarks/gateway.py`'s fresh user messages a piece took ~21 µs by `encode_batch_fast` and
-~7 µs here.
+the regex, and there tokenizers' Rust pre-tokenizer costs ~0.2 µs a character where the same pattern in the
+`regex` package takes about a third of that. A 77-character user message whose words were seen before takes
+~6 µs against ~21 µs by `encode_batch_fast`; one of words never seen costs about what tokenizers does (BPE on each
+new word); a 2,400-character tool result 2-3x less.
 
 Exactness: used only for pure-ASCII pieces, where the Unicode classes of the pattern (`\\p{L}`, `\\p{N}`, `\\s`)
 cannot differ between the two regex engines' Unicode tables and NFC/NFKC change nothing; any other piece goes to
 the tokenizer. Only a tokenizer whose parts are all read and understood qualifies (`ByteLevelWords.build`: the
 normalizer, each pre-tokenizer, the BPE model's options, no added token matched after normalization), and then
-only if its ids agree with the tokenizer's own on every ASCII character in a set of contexts (`_PROBES`); any
-difference and the tokenizer encodes everything, as before.
+only if its pattern holds no syntax that tokenizers' engine (onig, Ruby syntax) reads otherwise than the `regex`
+package (`_DIVERGENT`: `^`/`$` are line anchors in one and text anchors in the other, nested classes, `(?m)`...)
+and its ids agree with the tokenizer's own on every ASCII character in a set of contexts (`_PROBES`); any
+difference and the tokenizer encodes everything, as before. Words of 256 characters or more are not kept, and
+the words kept hold at most MAX_WORD_CHARS characters.
 
 Decoding (`ByteLevelBytes`): tokenizers' ByteLevel decoder maps each token's characters back to bytes (a token
 with a character outside the map, such as an added token's "｜", gives its UTF-8 as it is), joins them and
 decodes the whole lossily (U+FFFD for each maximal invalid subsequence, which Python's "replace" handler does
-too). A table of every id's bytes does the same in one join (~1 µs for a 30-token reply against ~12 µs); it is
+too). A table of every id's bytes does the same in one join (~0.8 µs for a 30-token reply against ~2.4 µs measured
+alone; the reply's decode was 1.7% of the gateway's profile); it is
 taken only for a tokenizer whose decoder is that one alone and whose every id decodes alike both ways, and whose
 decodes of id sequences that cut characters apart agree too.
 """
@@ -36,8 +40,41 @@ import regex
 _NORMALIZERS_IDENTICAL_ON_ASCII = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 """ByteLevel's own regex when `use_regex` is true (tokenizers' `pre_tokenizers/byte_level.rs`)."""
-MAX_WORDS = 1 << 16
-"""Words whose ids are kept (~10 MB at most); the cache starts afresh when full."""
+MAX_WORD_CHARS = 2_000_000
+"""Characters of the words whose ids are kept (a few tens of MB at most); the cache starts afresh when full."""
+MAX_CACHED_WORD = 256
+"""Longer words are encoded each time, not kept (tokenizers' BPE cache keeps none of 256 characters or more)."""
+
+_DIVERGENT = regex.compile(r"""
+    \\[AZzGhHKRXoOQE]        # anchors, \h (a horizontal space in Ruby's syntax, a hex digit in onig's), keep-out...
+  | \\x\{ | \\[pP](?!\{)     # \x{41}, \pL: read otherwise, or not at all, by one of the two
+  | \(\?[a-z-]*[msx]          # inline flags whose letters mean other things in onig (?m: dot-all)
+  | &&                       # class intersection (onig) is a literal in Python's
+  | (?<!\\)\$                  # end of line in onig, of the text in Python's
+  | (?<![\\\[])\^               # the same for a start ([^...] negates a class, in both)
+""", regex.VERBOSE)
+"""Pattern syntax that onig (tokenizers' regex engine, Ruby syntax) and the `regex` package read differently, seen
+by trying each; a pattern holding any of it is left to the tokenizer. Nested classes are checked apart."""
+
+
+def _same_in_both(pattern: str) -> bool:
+    """Whether a pre-tokenizer pattern holds none of the syntax the two engines read differently."""
+    if _DIVERGENT.search(pattern):
+        return False
+    depth = 0
+    escaped = False
+    for c in pattern:  # a class inside a class: a union in onig, a literal "[" in Python's (without V1)
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == "[":
+            depth += 1
+            if depth > 1:
+                return False
+        elif c == "]" and depth:
+            depth -= 1
+    return True
 
 
 def _byte_map() -> dict[int, str]:
@@ -83,23 +120,25 @@ class ByteLevelWords:
         self._tokenize = model.tokenize
         self._patterns = patterns
         self._words: dict[str, tuple[int, ...]] = {}
+        self._chars = 0
 
     @classmethod
     def build(cls, backend: Any) -> ByteLevelWords | None:
         """For a tokenizers `Tokenizer` of the byte-level BPE form, checked against its own encodes; None otherwise."""
         try:
             words = cls._build(backend)
-        except Exception:  # a part that cannot be read (another tokenizers version): the tokenizer encodes
-            return None
-        if words is None:
-            return None
-        added = [str(t.content) for t in backend.get_added_tokens_decoder().values()]
-        for probe in _PROBES:
-            if any(t in probe for t in added):
-                continue  # never in a piece: the text is cut at added tokens first
-            if words.encode(probe) != list(backend.encode(probe, add_special_tokens=False).ids):
+            if words is None:
                 return None
+            added = [str(t.content) for t in backend.get_added_tokens_decoder().values()]
+            for probe in _PROBES:
+                if any(t in probe for t in added):
+                    continue  # never in a piece: the text is cut at added tokens first
+                if words.encode(probe) != list(backend.encode(probe, add_special_tokens=False).ids):
+                    return None
+        except Exception:  # a part that cannot be read, or a model that cannot encode a probe: the tokenizer's
+            return None
         words._words.clear()  # the probes' words are not the traffic's
+        words._chars = 0
         return words
 
     @classmethod
@@ -120,6 +159,8 @@ class ByteLevelWords:
                 if step.get("behavior") != "Isolated" or step.get("invert"):
                     return None
                 if "Regex" in pattern:
+                    if not _same_in_both(pattern["Regex"]):
+                        return None
                     patterns.append(regex.compile(pattern["Regex"]))
                 elif pattern.get("String"):
                     patterns.append(regex.compile(regex.escape(pattern["String"])))
@@ -150,9 +191,13 @@ class ByteLevelWords:
         for word in words:
             ids = cache.get(word)
             if ids is None:
-                if len(cache) >= MAX_WORDS:
-                    cache.clear()
-                ids = cache[word] = tuple(t.id for t in self._tokenize(word.translate(_ASCII_BYTES)))
+                ids = tuple(t.id for t in self._tokenize(word.translate(_ASCII_BYTES)))
+                if len(word) < MAX_CACHED_WORD:
+                    if self._chars + len(word) > MAX_WORD_CHARS:
+                        cache.clear()
+                        self._chars = 0
+                    cache[word] = ids
+                    self._chars += len(word)
             out.extend(ids)
         return out
 
@@ -160,9 +205,10 @@ class ByteLevelWords:
 def _isolated(pattern: regex.Pattern[str], text: str) -> list[str]:
     """`text` cut as tokenizers' Split with `Isolated` behaviour cuts it: each match its own word, and the text
     between matches too; empty words dropped."""
-    found: list[str] = pattern.findall(text)
-    if sum(map(len, found)) == len(text):  # the matches cover the text (the usual case): no gaps to add
-        return [w for w in found if w]
+    if not pattern.groups:  # findall gives the whole matches only where the pattern captures no group
+        found: list[str] = pattern.findall(text)
+        if sum(map(len, found)) == len(text):  # the matches cover the text (the usual case): no gaps to add
+            return [w for w in found if w]
     out: list[str] = []
     pos = 0
     for m in pattern.finditer(text):
@@ -211,22 +257,22 @@ class ByteLevelBytes:
             extra = [int(i) for i in backend.get_added_tokens_decoder()]
             size = max([size, *(i + 1 for i in extra)])  # an added token may sit past the vocabulary's size
             table = [_token_bytes(backend.id_to_token(i)) for i in range(size)]
-        except Exception:  # a part that cannot be read: the tokenizer decodes
+            out = cls(table)
+            ids = range(len(table))
+            for i in ids:
+                if out.decode([i]) != backend.decode([i], skip_special_tokens=False):
+                    return None
+            rng = random.Random(0)
+            multibyte = [i for i, raw in enumerate(table) if raw and not raw.isascii()] or list(ids)
+            seqs = [[rng.choice(multibyte), i, rng.choice(multibyte)] for i in extra]  # added tokens amid cut characters
+            for _ in range(probes):
+                seqs.append([rng.choice(multibyte) if rng.random() < 0.7 else rng.randrange(len(table))
+                             for _ in range(rng.randint(1, 24))])
+            for seq in seqs:
+                if out.decode(seq) != backend.decode(seq, skip_special_tokens=False):
+                    return None
+        except Exception:  # a part that cannot be read, or a decode that raises: the tokenizer decodes
             return None
-        out = cls(table)
-        ids = range(len(table))
-        for i in ids:
-            if out.decode([i]) != backend.decode([i], skip_special_tokens=False):
-                return None
-        rng = random.Random(0)
-        multibyte = [i for i, raw in enumerate(table) if raw and not raw.isascii()] or list(ids)
-        seqs = [[rng.choice(multibyte), i, rng.choice(multibyte)] for i in extra]  # added tokens amid cut characters
-        for _ in range(probes):
-            seqs.append([rng.choice(multibyte) if rng.random() < 0.7 else rng.randrange(len(table))
-                         for _ in range(rng.randint(1, 24))])
-        for seq in seqs:
-            if out.decode(seq) != backend.decode(seq, skip_special_tokens=False):
-                return None
         return out
 
     def decode(self, ids: list[int]) -> str:

@@ -76,15 +76,6 @@ def test_non_ascii_pieces_go_to_the_tokenizer() -> None:
     assert words_used(enc) == 0
 
 
-def test_the_word_cache_starts_afresh_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(byte_level, "MAX_WORDS", 50)
-    tok = chatml_tokenizer()
-    enc = CachedEncoder(tok, max_cached_chars=0)  # no piece cache: every text reaches the words
-    for i, text in enumerate(ascii_texts(400, seed=3)):
-        assert enc.encode(text) == tok.encode(text, add_special_tokens=False), repr(text)
-        assert words_used(enc) <= 50 + len(text), i
-
-
 def with_normalizer(normalizer: Any) -> Any:
     tok = copy.deepcopy(chatml_tokenizer())
     tok.backend_tokenizer.normalizer = normalizer
@@ -199,3 +190,85 @@ def test_a_tokenizer_with_another_decoder_decodes_itself() -> None:
     assert ct.warm_decoder() is None
     ids = tok.encode("Hello there friend", add_special_tokens=False)
     assert ct.decode(ids) == tok.backend_tokenizer.decode(ids, skip_special_tokens=False)
+
+
+# --- what the word path leaves to the tokenizer (found by review: each failed before its guard) ------------------
+
+
+def split_tokenizer(pattern: str, corpus: list[str]) -> Any:
+    """A byte-level BPE whose pre-tokenizer is `Split(pattern, isolated)` then ByteLevel, trained on `corpus`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+MARKDOWN = ["# Title\n## Sub\nSome text here. It's a test, 123;\n- item\n" * 50, "hello world\n# heading\nmore text"] * 20
+
+
+@pytest.mark.parametrize("pattern", [r"^#+ ", r"^- ", r"^[a-z]+", r"\.$", r";$", r"(?m)\n.", r"\A\w", r"[[a-z]]+",
+                                     r"\pL+", r"\x{41}"])
+def test_patterns_the_two_engines_read_differently_are_left_to_the_tokenizer(pattern: str) -> None:
+    """onig (Ruby syntax) reads ^ and $ at every line, (?m) as dot-all, [[a-z]] as a union, \\pL as a class;
+    Python's regex package otherwise. `x\\n# hello world` got other ids from the word path under ^#+ ."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = split_tokenizer(pattern, MARKDOWN)
+    assert ByteLevelWords.build(tok) is None
+    enc = CachedEncoder(PreTrainedTokenizerFast(tokenizer_object=tok))
+    for text in ["x\n# hello world", "x\n- item;\nmore.", "A # b\n## c", "hello.\nworld;"]:
+        assert enc.encode(text) == tok.encode(text, add_special_tokens=False).ids, text
+
+
+@pytest.mark.parametrize("pattern", [r"(\p{L}+)|(\p{N}+)|(\s+)|([^\s\p{L}\p{N}]+)", r"(\w)(\w)"])
+def test_patterns_with_groups_cut_by_whole_matches(pattern: str) -> None:
+    """`findall` gives a pattern's groups, not its matches: such a pattern is cut match by match."""
+    tok = split_tokenizer(pattern, ["hello world 123 foo", "abcd efgh"] * 10)
+    words = ByteLevelWords.build(tok)
+    assert words is not None
+    for text in ["ab", "abcd", "hello world", "x 12 ;; y", "abc"]:
+        assert words.encode(text) == tok.encode(text, add_special_tokens=False).ids, text
+
+
+def test_a_tokenizer_that_fails_a_probe_is_not_taken_and_does_not_stop_the_encoder() -> None:
+    """A BPE naming an unknown token that is not in its vocabulary, without the control bytes: its encode of
+    a probe raises. The word path is not taken; the encoder is built as before."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello world, it's a test 123"] * 10, trainers.BpeTrainer(vocab_size=300,
+                                                                                        show_progress=False))
+    spec = json.loads(tok.to_str())
+    spec["model"]["unk_token"] = "<unk>"
+    tok = Tokenizer.from_str(json.dumps(spec))
+    with pytest.raises(Exception, match="<unk>"):
+        tok.encode("a\x00b", add_special_tokens=False)
+    assert ByteLevelWords.build(tok) is None
+    enc = CachedEncoder(PreTrainedTokenizerFast(tokenizer_object=tok))
+    assert enc._words is None
+    assert enc.encode("hello world") == tok.encode("hello world", add_special_tokens=False).ids
+
+
+def test_long_words_are_not_kept_and_the_cache_is_bounded_by_characters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client can send words of any length: one of 256 characters or more is encoded each time (as tokenizers'
+    own BPE cache does), and the words kept stay within MAX_WORD_CHARS characters."""
+    monkeypatch.setattr(byte_level, "MAX_WORD_CHARS", 3000)
+    tok = chatml_tokenizer()
+    words = ByteLevelWords.build(tok.backend_tokenizer)
+    assert words is not None
+    long_word = "a" * 5000
+    assert words.encode(long_word) == tok.backend_tokenizer.encode(long_word, add_special_tokens=False).ids
+    assert long_word not in words._words
+    for text in ascii_texts(300, seed=8):
+        assert words.encode(text) == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
+        assert words._chars == sum(map(len, words._words)) <= 3000
