@@ -92,21 +92,8 @@ def _byte_map() -> dict[int, str]:
 _CHAR_BYTES = {c: b for b, c in _byte_map().items()}
 
 
-def _byte_chars() -> dict[int, str]:
-    """The byte-level map (GPT-2's `bytes_to_unicode`) for bytes 0-127: printable ASCII stays, the rest (control
-    characters, space) moves to 256 and up."""
-    kept = [b for b in range(128) if ord("!") <= b <= ord("~")]
-    out: dict[int, str] = {b: chr(b) for b in kept}
-    n = 0
-    for b in range(256):
-        if not (ord("!") <= b <= ord("~") or ord("¡") <= b <= ord("¬") or ord("®") <= b <= ord("ÿ")):
-            if b < 128:
-                out[b] = chr(256 + n)
-            n += 1
-    return out
-
-
-_ASCII_BYTES = _byte_chars()
+_ASCII_BYTES = {b: c for b, c in _byte_map().items() if b < 128}
+"""`str.translate`'s table for an ASCII word: printable ASCII stays, control characters and space move to 256 up."""
 
 
 def _state(part: Any) -> dict[str, Any] | None:

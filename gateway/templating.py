@@ -445,7 +445,7 @@ class ChatTemplate:
         return text.replace("\x00", "\ufffd") if "\x00" in text else text
 
     def _decode_by_table(self, ids: list[int]) -> str | None:
-        table = self._bytes if self._bytes_built else self.warm_decoder()
+        table = self.warm_decoder()
         if table is None or min(ids, default=0) < 0:
             return None
         try:
