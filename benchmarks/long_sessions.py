@@ -12,9 +12,11 @@ and a task; every later turn sends the whole conversation again, as the OpenAI A
 reply as the SDK returned it (`message.to_dict()`) and a new user message carrying W words of tool output.
 One tool is offered with every call. With the defaults a session ends at ~100k tokens of context.
 
-All sessions make turn t together, and the gateway's CPU (utime + stime of its process tree, /proc) is read
-between turns, so "CPU per turn" at turn t is the gateway's CPU over that step divided by S; the table shows
-its mean by tenth of the session. Client latency is the wall time of one `chat.completions.create`.
+All sessions make turn t together, and the gateway's CPU is read between turns, so "CPU per turn" at turn t is
+the gateway's CPU over that step divided by S; the table shows its mean by tenth of the session. The CPU is
+the run time of the gateway's threads in nanoseconds (/proc/PID/task/TID/schedstat): utime + stime count
+10 ms clock ticks, and a step of S turns takes a few ms, so a tenth's figure read that way moved by ~10% on
+the ticks alone. The JSON gives both clocks' totals over the run (`cpu_total_ms`, `cpu_total_ms_ticks`). Client latency is the wall time of one `chat.completions.create`.
 
 Store bytes: what the database grew by over the run (SQLite: the file after a WAL checkpoint; PostgreSQL:
 pg_database_size, TOAST compression included), divided by the conversation bytes of all sessions (one
@@ -48,7 +50,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench_procs import ROOT, proc_table, tree_ms
+from bench_procs import ROOT, proc_table, tree_ms, tree_run_ms
 
 from rollway.embedded import free_port
 
@@ -187,19 +189,25 @@ async def drive(base: str, keys: list[str], gw_pid: int, args: argparse.Namespac
     rngs = [random.Random(1000 + i) for i in range(len(keys))]
     cpu: list[float] = []
     lat: list[list[float]] = []
+    table = proc_table()
+    ticks0, run0 = tree_ms(table, gw_pid), tree_run_ms(table, gw_pid)
     try:
         for t in range(args.turns):
-            before = tree_ms(proc_table(), gw_pid)
+            before = tree_run_ms(proc_table(), gw_pid)
             took = await asyncio.gather(*(one_session_turn(c, s, t, r, args)
                                           for c, s, r in zip(clients, states, rngs, strict=True)))
-            cpu.append((tree_ms(proc_table(), gw_pid) - before) / len(keys))
+            cpu.append((tree_run_ms(proc_table(), gw_pid) - before) / len(keys))
             lat.append([x * 1000 for x in took])
     finally:
         for c in clients:
             await c.close()
+    table = proc_table()
+    # The two clocks over the whole run: they agree unless a thread of the gateway exited during it.
+    totals = {"cpu_total_ms": round(tree_run_ms(table, gw_pid) - run0, 1),
+              "cpu_total_ms_ticks": round(tree_ms(table, gw_pid) - ticks0, 1)}
     conv = sum(len(json.dumps([*s["messages"], s["reply"]], separators=(",", ":"), ensure_ascii=False).encode())
                for s in states)
-    return {"cpu": cpu, "lat": lat, "conversation_bytes": conv,
+    return {"cpu": cpu, "lat": lat, "conversation_bytes": conv, **totals,
             "tokens": statistics.mean(s["tokens"] for s in states)}
 
 
@@ -260,6 +268,7 @@ def run_one(variant: str, code: str, dbkind: str, args: argparse.Namespace, back
         "cpu_ms_by_tenth": [round(x, 2) for x in cpu_t],
         "cpu_last_over_first": round(cpu_t[-1] / cpu_t[0], 2),
         "cpu_ms_mean": round(statistics.mean(got["cpu"]), 2),
+        "cpu_total_ms": got["cpu_total_ms"], "cpu_total_ms_ticks": got["cpu_total_ms_ticks"],
         "latency_ms_by_tenth": [round(x, 1) for x in tenths(lat_turn)],
         "latency_p50_ms": round(statistics.median(x for xs in got["lat"] for x in xs), 1),
         "store_bytes": size1 - size0, "turn_bytes": turn_bytes,
