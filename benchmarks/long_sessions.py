@@ -16,7 +16,8 @@ All sessions make turn t together, and the gateway's CPU is read between turns, 
 the gateway's CPU over that step divided by S; the table shows its mean by tenth of the session. The CPU is
 the run time of the gateway's threads in nanoseconds (/proc/PID/task/TID/schedstat): utime + stime count
 10 ms clock ticks, and a step of S turns takes a few ms, so a tenth's figure read that way moved by ~10% on
-the ticks alone. The JSON gives both clocks' totals over the run (`cpu_total_ms`, `cpu_total_ms_ticks`). Client latency is the wall time of one `chat.completions.create`.
+the ticks alone. The JSON gives both clocks' totals over the run (`cpu_total_ms`, `cpu_total_ms_ticks`).
+Client latency is the wall time of one `chat.completions.create`.
 
 Store bytes: what the database grew by over the run (SQLite: the file after a WAL checkpoint; PostgreSQL:
 pg_database_size, TOAST compression included), divided by the conversation bytes of all sessions (one
