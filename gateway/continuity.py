@@ -75,7 +75,7 @@ def _arguments(arguments: Any) -> str:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # ValueError: not JSON, or an integer past int_max_str_digits
             return "raw:" + arguments  # not JSON: only the identical string is equal
     return _canonical_json(arguments)
 

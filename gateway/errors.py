@@ -90,6 +90,12 @@ class PayloadTooLarge(GatewayError):
     code = "payload_too_large"
 
 
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_content_encoding"
+
+
 class TooManyRequests(GatewayError):
     status = 429
     type = "rate_limit_error"

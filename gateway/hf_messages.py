@@ -36,8 +36,8 @@ def _hf_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(args, str):
         try:
             fn["arguments"] = json.loads(args)
-        except json.JSONDecodeError:
-            pass  # not JSON: the template renders the string as it came
+        except ValueError:  # not JSON, or an integer past int_max_str_digits: the template renders the string as it came
+            pass
         except RecursionError:  # the request boundary refuses these (routes.common.check_json_shape)
             raise BadRequest("tool call arguments are nested too deeply", param="messages") from None
     elif args is None:

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.errors import BadRequest
 
@@ -140,7 +140,7 @@ class ChatMessage(_Lenient):
 
 
 class FunctionDef(_Lenient):
-    name: str
+    name: str = Field(min_length=1)  # an empty name can't be called: a forced call's grammar would write one no parser reads
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -218,6 +218,22 @@ class CompletionRequest(_Lenient):
     top_p: float | None = Field(default=None, gt=0, le=1)
     user: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """One message for a wrong prompt, not pydantic's first branch of the union ("prompt.str: Input should
+        be a valid string" for a bad token id)."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(x, str) for x in value):
+            return value
+        if isinstance(value, list) and all(type(x) is int for x in value):
+            bad = next((x for x in value if not 0 <= x <= INT32_MAX), None)
+            if bad is not None:
+                raise ValueError(f"token ids are 0 ... {INT32_MAX}, got {bad}")
+            return value
+        raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
+
 
 # --- responses (stateless) --------------------------------------------------------------------------
 
@@ -292,6 +308,16 @@ class RewardRequest(Strict):
     turn_rewards: list[TurnReward] | None = None
     finish: bool = False
     """Also finish the session, in the same transaction (one request instead of two)."""
+
+    @model_validator(mode="after")
+    def _distinct(self) -> RewardRequest:
+        """A turn named twice is refused, as a session named twice in a group's rewards is: which one was meant?"""
+        seen: set[str] = set()
+        for r in self.turn_rewards or ():
+            if r.turn_id in seen:
+                raise ValueError(f"turn {r.turn_id} is named twice")
+            seen.add(r.turn_id)
+        return self
 
 
 class SessionReward(Strict):

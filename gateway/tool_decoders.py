@@ -56,7 +56,7 @@ def call_from_args(name: Any, args: Any) -> ParsedToolCall | None:
     elif isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
             args = json.loads(args)
-        except (json.JSONDecodeError, RecursionError):  # a model's output too deep to parse is no call
+        except (ValueError, RecursionError):  # not JSON, too deep, or an integer past int_max_str_digits: no call
             return None
     if not isinstance(args, dict):
         return None
@@ -75,7 +75,7 @@ def loads(text: str) -> Any:
     """`text` as JSON, or `INVALID`."""
     try:
         return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # ValueError: not JSON, or an integer past int_max_str_digits
         return INVALID
 
 

@@ -120,9 +120,15 @@ def response_format_schema(response_format: Any) -> str | None:
         return None
     kind = getattr(response_format, "type", None)
     if kind == "json_schema":
-        spec = getattr(response_format, "json_schema", None) or {}
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        return json.dumps(schema if isinstance(schema, dict) and schema else {"type": "object"})
+        spec = getattr(response_format, "json_schema", None)
+        if not isinstance(spec, dict):  # OpenAI's API refuses it too, rather than allow any object
+            raise BadRequest("a response_format of type json_schema needs its json_schema object",
+                             param="response_format.json_schema")
+        schema = spec.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise BadRequest(f"response_format.json_schema.schema must be a JSON schema object, got "
+                             f"{type(schema).__name__}", param="response_format.json_schema.schema")
+        return json.dumps(schema or {"type": "object"})
     if kind == "json_object":
         return json.dumps({"type": "object"})
     return None

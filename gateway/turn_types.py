@@ -51,7 +51,7 @@ class TurnRequest:
     whose reply then stops with `model_context_window_exceeded`)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True, eq=False)  # weakref, by identity: TurnService.settled's set of turns in flight
 class PreparedTurn:
     auth: SessionAuth
     req: TurnRequest
@@ -114,6 +114,7 @@ SCHEMA_PARAM = {"responses": "text.format", "messages": "output_config.format"}
 _CALLER_FIELDS = {
     "responses": {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"},
     "messages": {"response_format": "output_config.format"},
+    "completions": {"messages": "prompt"},
 }
 """Chat Completions' field names, as the turn service raises them, by what each endpoint calls them."""
 

@@ -19,6 +19,7 @@ import copy
 import functools
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,8 @@ T = TypeVar("T")
 BIG_BODY_BYTES = 64 * 1024
 """A request body this big has its prompt prepared on a worker thread. Below it a prompt tokenizes in a few
 ms at most, less than a stall anyone notices, and the hot path pays nothing: one comparison."""
+SETTLE_POLL_S = 0.02
+"""How often `TurnService.settled` looks whether a session's turns in flight are stored."""
 PROMPT_WORKERS = 2
 """Threads for big prompts: one huge prompt does not hold up every other big one, and hostile ones take at
 most two cores' worth of tokenizing beside the event loop."""
@@ -111,6 +114,9 @@ class TurnService:
         """A text with more characters is at least context_length tokens: refused without tokenizing."""
         self._executor: ThreadPoolExecutor | None = None
         self._local = threading.local()
+        self._running: weakref.WeakSet[PreparedTurn] = weakref.WeakSet()
+        """Turns prepared and not yet stored: `finish` takes each out, and one whose call failed before it was
+        stored (nothing to store) leaves with its last reference."""
         self._prompts = LoopBatch(loop)
         """A chat turn's prompt (`_continue`), run back to back with the others of the same turn of the loop."""
         _thread_template(template)  # fails here, at start, if the template no longer copies as it expects
@@ -121,10 +127,25 @@ class TurnService:
         """`max_session_tokens`: refuse the turn when the tokens the session recorded so far plus its prompt
         exceed it (Settings.max_session_tokens). A refusal's `param` names the caller's field (`caller_param`)."""
         try:
-            return await self._prepare(auth, req, max_session_tokens)
+            prepared = await self._prepare(auth, req, max_session_tokens)
         except BadRequest as e:
             e.param = caller_param(req.endpoint, e.param)
             raise
+        self._running.add(prepared)
+        return prepared
+
+    async def settled(self, session_ids: Sequence[str], timeout: float) -> bool:
+        """Waits until no turn of these sessions is in flight on this gateway (prepared, not yet stored), at most
+        `timeout` seconds; whether they settled. A session finished while one of its calls still generates would
+        otherwise have that turn stored after its group was leased: never trained."""
+        ids = set(session_ids)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while any(p.auth.id in ids for p in list(self._running)):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(SETTLE_POLL_S)
+        return True
 
     async def _prepare(self, auth: SessionAuth, req: TurnRequest, max_session_tokens: int | None) -> PreparedTurn:
         if auth.state != "active":
@@ -330,7 +351,7 @@ class TurnService:
         seed = pick("seed", req.seed, None)
         if seed is not None:
             params["sampling_seed"] = int(seed)
-        if req.stop:
+        if req.stop and req.forced is None:  # a stop string would cut a forced call: its grammar ends it (recorded)
             params["stop"] = req.stop
         if req.json_schema is not None and req.forced is None:  # a forced tool call's grammar wins (_tool_grammar)
             params["json_schema"] = req.json_schema
@@ -409,7 +430,9 @@ class TurnService:
             },
         )
         # Shielded: a client that goes away while we commit must not cancel the commit.
-        seq = await asyncio.shield(self.store.insert_turn_started(p.auth.id, record))
+        stored = self.store.insert_turn_started(p.auth.id, record)
+        stored.add_done_callback(lambda _: self._running.discard(p))  # in flight until durable (`settled`)
+        seq = await asyncio.shield(stored)
         if raw_only and p.view is not None and p.view.turn_count == seq - 1:
             # A raw completion is no parent (no messages), but its ids count toward the session's tokens.
             # The view stays current, as a reload from the store would build it; handing the cache a turn

@@ -249,7 +249,7 @@ def _system_message(m: MessageParam, i: int, shown: bool, out: list[dict[str, An
         else:
             raise BadRequest(f"{param}: a {kind} block does not belong in a system message (text, tool_addition and "
                              "tool_removal do)", param=param)
-    if not blocks and m.output_config is None:
+    if (not blocks or m.content == "") and m.output_config is None:  # "" is as empty as []
         raise BadRequest(f"messages.{i}: a system message needs content or output_config", param=f"messages.{i}")
     if shown and texts and "".join(texts):
         out.append({"role": "system", "content": "".join(texts)})
@@ -530,7 +530,7 @@ def tool_input(arguments: str) -> Any:
     """A parsed call's arguments (always JSON text) as the tool_use block's `input`."""
     try:
         return json.loads(arguments)
-    except (json.JSONDecodeError, RecursionError):  # the parsers only produce JSON; kept whole rather than lost if one did not
+    except (ValueError, RecursionError):  # the parsers only produce JSON; kept whole rather than lost if one did not
         return {"arguments": arguments}
 
 

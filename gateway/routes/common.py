@@ -17,7 +17,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_body
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedMediaType,
+    error_body,
+)
 from gateway.services import services
 from gateway.store.db import STORE_UNAVAILABLE as STORE_UNAVAILABLE  # the drivers' errors, named by the store
 
@@ -36,9 +43,13 @@ async def read_raw_body(request: Request) -> bytes:
     svc = services(request)
     settings = svc.settings
     limit: int = settings.max_body_bytes
-    length = request.headers.get("content-length")
+    headers = request.headers
+    length = headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise PayloadTooLarge(f"request body is {length} bytes; the limit is {limit}")
+    encoding = headers.get("content-encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):  # else "not valid UTF-8" misled
+        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
     loop = svc.loop
     task = asyncio.current_task(loop)
     if task is None:  # not in a task of the app's loop (never under a server): the general timeout

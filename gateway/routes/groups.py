@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
+import re
 import time
 from typing import Any
 
@@ -19,12 +22,13 @@ from gateway.protocol import (
     SamplingPolicy,
 )
 from gateway.records import session_record
-from gateway.routes.common import json_response, read_body
+from gateway.routes.common import json_response, parse_body, read_body, read_raw_body
 from gateway.services import services, serving
 from gateway.store.idempotency import check_key
 from gateway.store.store import Store
 
 router = APIRouter()
+log = logging.getLogger("rollway.gateway")
 
 
 def public_base(request: Request) -> str:
@@ -32,10 +36,29 @@ def public_base(request: Request) -> str:
     return configured.rstrip("/") if configured else str(request.base_url).rstrip("/")
 
 
+_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|(?<![\d.eE+-])-?\d{19,}(?![\d.eE])')
+"""A JSON string (skipped whole), or an integer literal of 19 digits or more."""
+
+
+def refuse_wide_integers(raw: bytes) -> None:
+    """A group's task and metadata are kept as sent, but an integer outside 64 bits was not: the JSON parser made
+    it a float (2**64 came back as 1.8446744073709552e+19), and SQLite a REAL at the top level. Refused instead."""
+    for m in _TOKENS.finditer(raw):
+        token = m.group()
+        if token[:1] == b'"':
+            continue
+        digits = len(token) - (token[:1] == b"-")  # a valid body's integers have no leading zeros
+        if digits > 19 or not -(2**63) <= int(token) < 2**63:  # int() only on 19 digits: no int_max_str_digits
+            raise BadRequest(f"the integer {token[:40].decode()}{'...' if len(token) > 40 else ''} is outside 64 "
+                             "bits and would not be kept exactly; send it as a string")
+
+
 @router.post("/v1/groups")
 async def create_group(request: Request) -> Response:
     await admin(request)
-    body = await read_body(request, CreateGroupRequest)
+    raw = await read_raw_body(request)
+    body = parse_body(raw, CreateGroupRequest)
+    refuse_wide_integers(raw)
     admission = None if body.eval else serving(request).admission  # eval: outside the budget
     sampling = (body.sampling or SamplingPolicy()).model_dump()
     store: Store = services(request).store
@@ -96,11 +119,31 @@ async def group_rewards(request: Request, group_id: str) -> Response:
     await admin(request)
     body = await read_body(request, GroupRewardsRequest)
     store: Store = services(request).store
+    if body.finish:
+        await _settle(request, [r.session_id for r in body.rewards])
     state, states = await store.set_group_rewards(group_id, [(r.session_id, r.reward) for r in body.rewards],
                                                   finish=body.finish)
     return json_response({"group_id": group_id, "ok": True, "state": state,
                           "sessions": [{"session_id": r.session_id, "state": st}
                                        for r, st in zip(body.rewards, states, strict=True)]})
+
+
+SETTLE_S = 30.0
+"""How long ending a session waits for its calls still generating on this gateway to be stored."""
+
+
+async def _settle(request: Request, session_ids: list[str]) -> None:
+    """Before sessions end: their turns in flight here stored first, so the group, once complete and leased, carries
+    them. Past SETTLE_S the end goes ahead, and a turn stored later is kept but not leased (docs/http-api.md,
+    "Lifecycle")."""
+    if not await serving(request).turns.settled(session_ids, SETTLE_S):
+        log.warning("ending session(s) %s with a call still generating after %.0f s: its turn will be stored but "
+                    "not leased with the group", ", ".join(session_ids), SETTLE_S)
+
+
+SESSION_STATES = ("active", "finished", "abandoned")
+_TRUE = ("1", "true", "yes")
+_FALSE = ("0", "false", "no")
 
 
 @router.get("/v1/sessions")
@@ -112,9 +155,17 @@ async def list_sessions(request: Request) -> Response:
         limit = int(q.get("limit", "100"))
     except ValueError:
         raise BadRequest("since must be a number (epoch seconds) and limit an integer") from None
+    if since is not None and not math.isfinite(since):  # nan matched nothing, silently
+        raise BadRequest(f"since must be a finite number of epoch seconds, got {q['since']!r}", param="since")
+    state = q.get("state")
+    if state and state not in SESSION_STATES:  # a typo would list nothing, as if there were no such sessions
+        raise BadRequest(f"state must be one of {', '.join(SESSION_STATES)}, got {state!r}", param="state")
+    flag = q.get("include_turns", "false").lower()
+    if flag not in _TRUE + _FALSE:
+        raise BadRequest(f"include_turns must be true or false, got {q['include_turns']!r}", param="include_turns")
+    full = flag in _TRUE
     store: Store = services(request).store
-    rows = await store.list_sessions(state=q.get("state"), since=since, limit=limit, after=q.get("after"))
-    full = q.get("include_turns", "false").lower() in ("1", "true", "yes")
+    rows = await store.list_sessions(state=state, since=since, limit=limit, after=q.get("after"))
     data: list[dict[str, Any]] = []
     for row in rows:
         if full:
@@ -139,6 +190,8 @@ async def reward(request: Request, session_id: str) -> Response:
     if body.reward is None and not body.turn_rewards:
         raise BadRequest("send {'reward': x} or {'turn_rewards': [{'turn_id', 'reward'}]}")
     store: Store = services(request).store
+    if body.finish:
+        await _settle(request, [session_id])
     state = await store.set_reward(
         session_id, body.reward, [(t.turn_id, t.reward) for t in body.turn_rewards or []] or None,
         finish=body.finish,
@@ -149,6 +202,7 @@ async def reward(request: Request, session_id: str) -> Response:
 @router.post("/v1/sessions/{session_id}/finish")
 async def finish(request: Request, session_id: str) -> Response:
     await admin_or_session(request, session_id)
+    await _settle(request, [session_id])
     state = await services(request).store.end_session(session_id, "finished", None)
     return json_response({"session_id": session_id, "state": state})
 
@@ -157,5 +211,6 @@ async def finish(request: Request, session_id: str) -> Response:
 async def abandon(request: Request, session_id: str) -> Response:
     await admin_or_session(request, session_id)
     body = await read_body(request, AbandonRequest)
+    await _settle(request, [session_id])
     state = await services(request).store.end_session(session_id, "abandoned", body.reason)
     return json_response({"session_id": session_id, "state": state})

@@ -33,6 +33,8 @@ from gateway.turn_types import TurnRequest, tools_for_choice
 from gateway.turns import TurnService
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
+COMPLETION_MAX_TOKENS = 16
+"""/v1/completions' max_tokens when it is left out or null, as on OpenAI's API."""
 REUSE = MessageReuse()
 """Chat messages validated and converted before, by their JSON: an agent's every call replays its history."""
 PREFIXES = BodyPrefixes()
@@ -148,7 +150,9 @@ async def _completions(request: Request, session_id: str | None) -> Response:
         prompt = prompt[0]
     req = TurnRequest(
         endpoint="completions", messages=[], tools=None,
-        asked=body.model_dump(exclude={"prompt"}, exclude_none=True), max_tokens=body.max_tokens,
+        # null is OpenAI's default (16), as when it is left out, not the rest of the context
+        asked=body.model_dump(exclude={"prompt"}, exclude_none=True),
+        max_tokens=body.max_tokens if body.max_tokens is not None else COMPLETION_MAX_TOKENS,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         temperature=body.temperature, top_p=body.top_p, seed=body.seed, top_logprobs=body.logprobs or 0,
         raw_prompt=prompt if isinstance(prompt, str) else None,

@@ -37,11 +37,27 @@ def _text(content: Any, param: str) -> str:
     if not isinstance(content, list):
         raise BadRequest("message content must be a string or a list of text parts", param=param)
     parts = []
-    for p in content:
+    for j, p in enumerate(content):
         if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
             raise BadRequest("only text content parts are supported", param=param)
-        parts.append(str(p.get("text") or ""))
+        text = p.get("text")
+        if text is not None and not isinstance(text, str):  # a dict's repr or a dropped 0 would reach the prompt
+            raise BadRequest(f"a text part's text must be a string, got {type(text).__name__}",
+                             param=f"{param}.content.{j}.text")
+        parts.append(text or "")
     return "".join(parts)
+
+
+def _string(item: dict[str, Any], key: str, param: str, *, required: bool = False) -> str | None:
+    """`item[key]`: a string (non-empty when `required`), or None when absent or null and not required."""
+    value = item.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or (required and not value):
+        raise BadRequest(f"{key} must be a {'non-empty ' if required else ''}string, got "
+                         f"{'null' if value is None else repr(value) if value == '' else type(value).__name__}",
+                         param=f"{param}.{key}")
+    return value
 
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -63,17 +79,23 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             else:
                 msgs.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
-            call: dict[str, Any] = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
-            if not call["function"]["name"]:
-                raise BadRequest("function_call item needs a name", param=param)
+            name = _string(item, "name", param, required=True)
+            arguments = item.get("arguments")
+            if isinstance(arguments, dict):  # lenient: the object the JSON text would hold
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            elif arguments is not None and not isinstance(arguments, str):
+                raise BadRequest(f"arguments must be a JSON string, got {type(arguments).__name__}",
+                                 param=f"{param}.arguments")
+            call_id = _string(item, "call_id", param) or _string(item, "id", param)
+            call: dict[str, Any] = {"id": call_id, "type": "function",
+                                    "function": {"name": name, "arguments": arguments or "{}"}}
             if msgs and msgs[-1]["role"] == "assistant":
                 msgs[-1].setdefault("tool_calls", []).append(call)
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             out = item.get("output")
-            msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
+            msgs.append({"role": "tool", "tool_call_id": _string(item, "call_id", param),
                          "content": out if isinstance(out, str) else json.dumps(out)})
         elif kind == "reasoning":
             continue  # our own reasoning comes back; the exact ids are already in the chain
@@ -95,8 +117,13 @@ def chat_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
         return None
     out = []
     for i, t in enumerate(body.tools):
-        if t.type != "function" or not t.name:
+        if t.type == "function" and not t.name and isinstance((t.model_extra or {}).get("function"), dict):
+            raise BadRequest('a Responses function tool is {"type": "function", "name", "parameters"}: this one has '
+                             "Chat Completions' shape (its name inside \"function\")", param=f"tools.{i}")
+        if t.type != "function":
             raise BadRequest(f"only function tools are supported, got {t.type!r}", param=f"tools.{i}")
+        if not t.name:
+            raise BadRequest("a function tool needs a name", param=f"tools.{i}.name")
         fn = {"name": t.name, "description": t.description, "parameters": t.parameters}
         out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
     return out

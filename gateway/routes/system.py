@@ -67,12 +67,12 @@ async def metrics(request: Request) -> Response:
     return Response(m.render(), media_type="text/plain; version=0.0.4")
 
 
-@router.get("/v1/models/{model_id}")
+@router.get("/v1/models/{model_id:path}")  # a served name may hold a slash (org/model)
 async def model(request: Request, model_id: str) -> Response:
     """The served model, in the OpenAI or (with `anthropic-version`) Anthropic shape; session auth."""
     return await retrieve_model(request, None, model_id)
 
 
-@router.get("/sessions/{session_id}/v1/models/{model_id}")
+@router.get("/sessions/{session_id}/v1/models/{model_id:path}")
 async def session_model(request: Request, session_id: str, model_id: str) -> Response:
     return await retrieve_model(request, session_id, model_id)
