@@ -93,10 +93,12 @@ def _train(args: argparse.Namespace) -> int:
     from rollway.keys import ENV, find_admin_key
     from trainer.launch import main as train_main
 
-    argv, data_dir = _take_option(list(args.args), "--data-dir", "rollway-data")
+    argv, data_dir = _take_option(list(args.args), "--data-dir", os.environ.get("ROLLWAY_DATA_DIR", "rollway-data"))
     key = find_admin_key(data_dir)
     if key and not os.environ.get(ENV):  # the workers take it from the environment, never from a file
         os.environ[ENV] = key
+        # a 401 from the gateway then says which gateway's key this was
+        print(f"rollway train: admin key from {Path(data_dir) / 'admin_key'}", file=sys.stderr)
     return train_main(argv)
 
 
@@ -130,16 +132,18 @@ def _config_help() -> str:
     return "\n".join(lines)
 
 
-TRAIN_USAGE = """usage: rollway train --gateway URL --model DIR --out DIR [--nproc N] [--config FILE] [--OPTION VALUE ...]
+TRAIN_USAGE = """usage: rollway train --gateway URL --model DIR [--out DIR] [--nproc N] [--config FILE] [--OPTION VALUE ...]
 
 Lease complete groups from the gateway, train with FSDP2 under torchrun, publish weights.
 Every trainer option below can be set, from weakest to strongest: in the --config file, as an environment
 variable ROLLWAY_<OPTION> (e.g. ROLLWAY_LR=1e-5), or as --option value on the command line.
-Admin key: ROLLWAY_ADMIN_KEY, else DATA_DIR/admin_key (the file `rollway serve` writes)."""
+Admin key: ROLLWAY_ADMIN_KEY, else DATA_DIR/admin_key (the file `rollway serve` writes; DATA_DIR: --data-dir,
+else ROLLWAY_DATA_DIR, else rollway-data)."""
 
 TRAIN_LAUNCH_HELP = """  --nproc N                      (default 1) trainer processes on this machine (torchrun --nproc-per-node)
   --config FILE                  (default none) TOML or JSON file of trainer options (a TOML file may use [train])
-  --data-dir DIR                 (default rollway-data) where to find admin_key when ROLLWAY_ADMIN_KEY is unset"""
+  --data-dir DIR                 (default ROLLWAY_DATA_DIR, else rollway-data) where to find admin_key when
+                                 ROLLWAY_ADMIN_KEY is unset"""
 
 
 def _demo(args: argparse.Namespace) -> int:

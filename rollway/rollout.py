@@ -31,6 +31,15 @@ from tqdm import tqdm
 from rollway.keys import find_admin_key, missing_key_message
 
 log = logging.getLogger("rollway.rollout")
+WAITING_SAY_S = 30.0
+"""How often the runner says it is held by the gateway's staleness admission (429)."""
+
+
+def _error_message(r: httpx.Response) -> str | None:
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,6 +177,7 @@ class Runner:
         self._agent_pools = [openai.DefaultAioHttpClient(timeout=client_timeout, limits=sdk_limits)
                              for _ in range(n_pools)]
         self._next_pool = 0
+        self._waiting_said = -WAITING_SAY_S
         self._platform = _sdk_platform()
 
     async def close(self) -> None:
@@ -195,6 +205,12 @@ class Runner:
                 await asyncio.sleep(0.5 * failures)
                 continue
             if r.status_code == 429:  # staleness control: wait as told
+                now = time.monotonic()
+                if now - self._waiting_said >= WAITING_SAY_S:  # else a run held by a stopped trainer said nothing
+                    self._waiting_said = now
+                    log.warning("waiting for the trainer: the gateway admits no new group (%s); a running "
+                                "`rollway train` makes room with each version it publishes",
+                                _error_message(r) or f"HTTP {r.status_code}")
                 await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
                 continue
             if r.status_code >= 400:

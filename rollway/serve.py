@@ -63,6 +63,44 @@ def prepare_database(url: str) -> None:
                          f"run `rollway db upgrade --db {url}`")
 
 
+SAME_MODEL_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                   "num_attention_heads", "num_key_value_heads")
+"""What a checkpoint must share with the model it was trained from to load into an engine serving that model."""
+
+
+def resumed_weights(db_url: str, model: Path) -> None:
+    """The embedded engine starts on `model`, and the gateway then loads the store's current published version
+    into it (a restart resumes the run). Refused up front when that cannot work: the version's folder is gone (the
+    gateway would retry forever, never ready), or it is of another model than `model` (a data folder of an
+    earlier run with `--model` changed: the engine would swap in weights of another architecture)."""
+    from gateway.adapters import is_adapter
+    from gateway.store import db
+    from gateway.weight_sync import DISTRIBUTED
+
+    version, path = db.current_weights(db_url)
+    if version == 0 or path is None or is_adapter(path) or path.startswith(DISTRIBUTED):
+        return
+    here = f"the store ({db_url}) serves weights version {version}, published from {path},"
+    fresh = "start a new run with a new --data-dir (or --db): this one's groups and versions belong to that run"
+    if not Path(path).is_dir():
+        raise SystemExit(f"{here} and that folder is gone: restore it, or {fresh}")
+    trained, given = _config(Path(path)), _config(model)
+    differ = [k for k in SAME_MODEL_KEYS if trained.get(k) != given.get(k)]
+    if trained and given and differ:
+        shown = ", ".join(f"{k} {trained.get(k)!r} there, {given.get(k)!r} in {model}" for k in differ[:3])
+        raise SystemExit(f"{here} of another model than --model {model} ({shown}): to serve that model, {fresh}")
+    print(f"resuming this data folder's run: the engine starts on {model}, then loads its weights version {version} "
+          f"({path})", file=sys.stderr)
+
+
+def _config(model: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """The gateway's socket, bound before anything else starts (engine, migrations, key file): a port in use
     fails the command at once, with the port named. Bound as uvicorn binds (same family choice, SO_REUSEADDR so
@@ -174,6 +212,7 @@ def serve(args: argparse.Namespace) -> int:
         supervisor = None
         if not settings.backends:
             model = Path(settings.model) if settings.model else ensure_tiny_model(data_dir)
+            resumed_weights(settings.db_url, model)
             # Its admin routes (pause, abort, weights) take a key of this run's: no other local user can pause it.
             engine_key = settings.backend_admin_api_key or "rw-engine-" + secrets.token_urlsafe(32)
             supervisor = EngineSupervisor(model, log_path=data_dir / "engine.log",  # restarted when it dies

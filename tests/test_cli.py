@@ -172,6 +172,67 @@ def test_rollout_and_train_read_the_data_dir_key(tmp_path: Path, monkeypatch: py
     assert "127.0.0.1:9" in capsys.readouterr().err
 
 
+def test_train_reads_the_data_dir_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`rollway train` read ./rollway-data/admin_key with ROLLWAY_DATA_DIR set (serve, rollout and view honour it):
+    another gateway's key, and a 401 that did not say where it came from."""
+    monkeypatch.delenv("ROLLWAY_ADMIN_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    admin_key(tmp_path / "rollway-data")  # the default folder's key: not the one to take
+    key, _ = admin_key(tmp_path / "d2")
+    monkeypatch.setenv("ROLLWAY_DATA_DIR", str(tmp_path / "d2"))
+    assert main(["train", "--gateway", "http://127.0.0.1:9", "--model", "m", "--out", str(tmp_path / "out")]) == 2
+    assert os.environ["ROLLWAY_ADMIN_KEY"] == key
+    assert f"admin key from {tmp_path / 'd2' / 'admin_key'}" in capsys.readouterr().err
+
+
+def _published(tmp_path: Path, path: Path) -> str:
+    """A SQLite store whose current weights are `path`, as a trainer's publish leaves it."""
+    import sqlite3
+
+    from gateway.store.db import upgrade
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    upgrade(url)
+    with sqlite3.connect(tmp_path / "store.db") as conn:
+        conn.execute("INSERT INTO weight_versions (version, model_path, published_at) VALUES (3, ?, 0)", (str(path),))
+    return url
+
+
+def test_serve_resumes_the_published_version_of_the_same_model(tmp_path: Path, tiny_model_dir: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from rollway.serve import resumed_weights
+
+    resumed_weights(_published(tmp_path, tiny_model_dir), tiny_model_dir)  # a trained copy shares the config
+    assert "loads its weights version 3" in capsys.readouterr().err
+
+
+def test_serve_refuses_published_weights_of_another_model(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`rollway serve --model <a qwen3>` over a data folder whose run published Qwen2 weights swapped them into
+    the engine, and answered /ready 200 with Qwen3's context length."""
+    import json
+    import shutil
+
+    from rollway.serve import resumed_weights
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match=r"version 3.*of another model than --model.*architectures.*new --data-dir"):
+        resumed_weights(_published(tmp_path, tiny_model_dir), other)
+
+
+def test_serve_refuses_published_weights_that_are_gone(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The folder of the current version deleted: the gateway retried loading it forever, never ready, saying
+    "no healthy backend"."""
+    from rollway.serve import resumed_weights
+
+    with pytest.raises(SystemExit, match=r"version 3, published from .*v000003, and that folder is gone"):
+        resumed_weights(_published(tmp_path, tmp_path / "runs" / "weights" / "v000003"), tiny_model_dir)
+
+
 # --- files: the data directory and the store are the user's alone ---
 
 

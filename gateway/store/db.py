@@ -207,6 +207,29 @@ def head_revision() -> str:
     return str(ScriptDirectory.from_config(_alembic_config("sqlite://")).get_current_head())
 
 
+def current_weights(url: str) -> tuple[int, str | None]:
+    """The store's current published weights (version, model path); (0, None) when nothing was published."""
+    import asyncio
+
+    from sqlalchemy import select
+
+    from gateway.store.models import WeightState
+
+    table = WeightState.__table__
+
+    async def read() -> tuple[int, str | None]:
+        engine = create_engine(url)
+        try:
+            async with engine.connect() as conn:
+                row = (await conn.execute(select(table.c.version, table.c.model_path)
+                                          .order_by(table.c.version.desc()).limit(1))).first()
+        finally:
+            await engine.dispose()
+        return (int(row.version), row.model_path) if row else (0, None)
+
+    return _in_thread(asyncio.run, read())
+
+
 def current_revision(url: str) -> str | None:
     """The revision the database is at (None for an empty database)."""
     import asyncio

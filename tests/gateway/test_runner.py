@@ -127,3 +127,29 @@ def test_the_runner_commands_run_on_uvloop_where_it_is_installed() -> None:
     uvloop = pytest.importorskip("uvloop")
     assert event_loop_factory() is uvloop.new_event_loop
     assert run_async(which()).startswith("uvloop")
+
+
+def test_the_runner_says_when_the_trainer_holds_it(fake: Any, tiny_model_dir: Any, db_url: str, monkeypatch: Any,
+                                                   caplog: Any) -> None:
+    """With the trainer stopped, staleness admission refuses new groups (429) and the runner waits: it sat at
+    `0group` saying nothing. Now it says what holds it, with the gateway's own words."""
+    monkeypatch.setattr(rollout, "ADMISSION_WAIT_S", 0.1)
+    with LiveGateway(backends=[fake.url], tokenizer=str(tiny_model_dir), db=db_url, max_head_offpolicyness=0,
+                     default_groups_per_step=1) as gw:
+        async def main() -> None:
+            runner = Runner(gw.url, ADMIN_KEY, agent, concurrency=4)
+            try:
+                await runner.run_group({"prompt": "1+1="}, 2)  # the one group the budget admits at version 0
+                with caplog.at_level("WARNING", logger="rollway.rollout"):
+                    await asyncio.wait_for(runner.run_group({"prompt": "2+2="}, 2), 1.5)
+            finally:
+                await runner.close()
+
+        try:
+            asyncio.run(main())
+        except TimeoutError:
+            pass
+        else:
+            raise AssertionError("the second group was admitted")
+    said = [r.getMessage() for r in caplog.records if r.name == "rollway.rollout"]
+    assert len(said) == 1 and "waiting for the trainer" in said[0] and "staleness" in said[0], said
