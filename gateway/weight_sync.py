@@ -247,7 +247,7 @@ class ProcessGroupSync:
             self.publisher._lock.release()
 
     async def sync(self, sync_id: str, version: int, ports: dict[str, int], buckets: list[dict[str, Any]],
-                   batch_ids: list[str], results: dict[str, str],
+                   batch_ids: list[str], results: dict[str, str | int],
                    tensors: dict[str, list[list[str]]] | None = None,
                    load_format: str | None = "flattened_bucket") -> dict[str, Any]:
         plan = self.plan
@@ -304,7 +304,7 @@ class ProcessGroupSync:
             self._release(plan)
 
     async def _run(self, plan: Plan, ports: dict[str, int], buckets: list[dict[str, Any]], batch_ids: list[str],
-                   results: dict[str, str]) -> dict[str, Any]:
+                   results: dict[str, str | int]) -> dict[str, Any]:
         pool, version = self.publisher.pool, plan.version
         t0 = time.perf_counter()
         await _each(plan.targets, lambda t: t.backend.client.pause("abort"))

@@ -41,7 +41,7 @@ class Publisher:
         self.adapters = Adapters(pool, leases)
         pool.adapters = self.adapters
 
-    async def publish(self, version: int, model_path: str, batch_ids: list[str], results: dict[str, str]) -> dict[str, Any]:
+    async def publish(self, version: int, model_path: str, batch_ids: list[str], results: dict[str, str | int]) -> dict[str, Any]:
         await self.leases.check_publishable(version, batch_ids)
         if is_adapter(model_path):
             return await self._publish_adapter(version, model_path, batch_ids, results)
@@ -69,7 +69,7 @@ class Publisher:
         return {"version": version, "model_path": model_path, "seconds": round(seconds, 4), "failed_backends": failed}
 
     async def _publish_adapter(self, version: int, model_path: str, batch_ids: list[str],
-                               results: dict[str, str]) -> dict[str, Any]:
+                               results: dict[str, str | int]) -> dict[str, Any]:
         """A LoRA adapter (`lora:<folder>`): loaded as `v{version}` on every backend while they keep generating
         (no pause), committed, then routed to (gateway/adapters.py). A backend that cannot load it leaves the
         rotation until it has, as with full weights."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -280,10 +281,10 @@ class GatewayClient:
     def renew(self, batch_id: str, lease_seconds: float) -> None:
         self._request("POST", f"/v1/batches/{batch_id}/renew", json={"lease_seconds": lease_seconds})
 
-    def ack(self, batch_id: str, results: dict[str, str]) -> None:
+    def ack(self, batch_id: str, results: Mapping[str, str | int]) -> None:
         """Close the named groups of a batch without publishing ("filtered", or "trained" for a batch whose
         update is in a checkpoint but that is not the one carried by the publish)."""
-        self._request("POST", f"/v1/batches/{batch_id}/ack", json={"results": results})
+        self._request("POST", f"/v1/batches/{batch_id}/ack", json={"results": dict(results)})
 
     # --- weights ---
     def current_weights(self) -> tuple[int, str | None]:
@@ -292,7 +293,7 @@ class GatewayClient:
         return int(d.get("version", 0)), d.get("model_path") or None
 
     def publish(
-        self, version: int, model_path: str, batch_ids: list[str] | str | None, results: dict[str, str]
+        self, version: int, model_path: str, batch_ids: list[str] | str | None, results: dict[str, str | int]
     ) -> int:
         """`POST /v1/weights`: the gateway loads the weights and acks the batches in one transaction.
         Raises GatewayHTTPError with status 409 when `version` is not above the gateway's."""
@@ -325,7 +326,7 @@ class GatewayClient:
         return dict(self._request("GET", "/v1/weights/sync").json())
 
     def sync(self, sync_id: str, version: int, ports: dict[str, int], buckets: list[dict[str, Any]],
-             batch_ids: list[str], results: dict[str, str], timeout: float,
+             batch_ids: list[str], results: dict[str, str | int], timeout: float,
              tensors: dict[str, list[list[str]]] | None = None,
              load_format: str | None = "flattened_bucket") -> dict[str, Any]:
         """`POST /v1/weights/sync`: answered once every backend received the buckets (or failed), the version is

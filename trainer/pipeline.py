@@ -59,13 +59,13 @@ class GatewayPipeline(Generic[T]):
     threads (one each: leases in order, publishes in order). Errors surface in the training thread at the next
     call that waits for that job."""
 
-    def __init__(self, collect: Callable[[int], T], commit: Callable[..., dict[str, list[str]]]) -> None:
+    def __init__(self, collect: Callable[[int], T], commit: Callable[..., dict[str, dict[str, int]]]) -> None:
         self._collect = collect
         self._commit = commit
         self._leaser = ThreadPoolExecutor(1, thread_name_prefix="lease")
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="publish")
         self._lease: tuple[int, Future[Timed[T]]] | None = None
-        self._publish: Future[Timed[dict[str, list[str]]]] | None = None
+        self._publish: Future[Timed[dict[str, dict[str, int]]]] | None = None
         self.last_publish_s = 0.0
         """How long the last finished publish took on its thread (the gateway's pause/load/continue/commit)."""
 
@@ -85,7 +85,8 @@ class GatewayPipeline(Generic[T]):
         batch = future.result().value
         return batch, time.perf_counter() - t0
 
-    def publish(self, held: dict[str, list[str]], version: int, path: Path | Any, durable: bool) -> tuple[dict[str, list[str]], float]:
+    def publish(self, held: dict[str, dict[str, int]], version: int, path: Path | Any,
+                durable: bool) -> tuple[dict[str, dict[str, int]], float]:
         """Hand the publish of `version` to the publish thread, after the previous one finished. Returns the
         leases still held once this publish is done (as `commit` decides: all of them acked when `durable`) and
         how long the caller waited for the previous publish."""

@@ -125,7 +125,7 @@ def wait_sync_over(client: GatewayClient, sync_id: str, limit: float, error: Exc
 
 
 def sync_tensors(client: GatewayClient, plan: dict[str, Any], version: int, buckets: list[Any], batch_ids: list[str],
-                 results: dict[str, str], timeout_s: float, load_format: str | None) -> dict[str, Any]:
+                 results: dict[str, str | int], timeout_s: float, load_format: str | None) -> dict[str, Any]:
     """`POST /v1/weights/sync` with the buckets' handles (`payloads`); returns the gateway's answer only once no
     server can still be reading them: the gateway answers after every server's read ended or was given up on, and
     is waited for longer than its deadline; if the call fails anyway, `wait_sync_over` asks it."""

@@ -163,7 +163,7 @@ def idle_note(batch: StepBatch, cfg: TrainConfig) -> str:
 
 
 def _send(client: GatewayClient, version: int, path: Path | SyncPayload, batch_ids: list[str] | None,
-          results: dict[str, str]) -> int:
+          results: dict[str, str | int]) -> int:
     if isinstance(path, SyncPayload):  # --weight-sync distributed: broadcast over process groups
         return path.publish(client, version, batch_ids or [], results)
     return client.publish(version, publish_path(path), batch_ids, results)
@@ -172,17 +172,18 @@ def _send(client: GatewayClient, version: int, path: Path | SyncPayload, batch_i
 def commit(
     client: GatewayClient,
     renewer: LeaseRenewer,
-    held: dict[str, list[str]],
+    held: dict[str, dict[str, int]],
     version: int,
     path: Path | SyncPayload,
     durable: bool,
-) -> dict[str, list[str]]:
+) -> dict[str, dict[str, int]]:
     """Publish `version`. If the step is durable, every held batch is acked inside the publish (one
-    transaction with the version bump). Returns what is still held."""
+    transaction with the version bump), each group with the version its update first went into (`held`: batch
+    id -> {group id: version}). Returns what is still held."""
     if not durable or not held:
         _send(client, version, path, None, {})
         return held
-    _send(client, version, path, list(held), {g: "trained" for ids in held.values() for g in ids})
+    _send(client, version, path, list(held), {g: v for groups in held.values() for g, v in groups.items()})
     for batch_id in held:
         renewer.release(batch_id)
     return {}
@@ -193,8 +194,8 @@ def _next_batch(pipe: GatewayPipeline[StepBatch] | None, version: int) -> tuple[
     return pipe.next_batch(version)
 
 
-def _publish(pipe: GatewayPipeline[StepBatch] | None, held: dict[str, list[str]], version: int, path: Path | SyncPayload,
-             durable: bool) -> tuple[dict[str, list[str]], float]:
+def _publish(pipe: GatewayPipeline[StepBatch] | None, held: dict[str, dict[str, int]], version: int,
+             path: Path | SyncPayload, durable: bool) -> tuple[dict[str, dict[str, int]], float]:
     assert pipe is not None
     return pipe.publish(held, version, path, durable)
 
@@ -272,7 +273,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
                 lambda v: collect(lease_client, lease_renewer, cfg, v),
                 lambda held, v, path, durable: commit(lease_client, lease_renewer, held, v, path, durable),
             )
-        held: dict[str, list[str]] = {}  # leases whose update is not yet in a durable checkpoint
+        held: dict[str, dict[str, int]] = {}  # leases whose update is not yet in a durable checkpoint
 
         while cfg.steps == 0 or step < cfg.steps:
             # ---------------- lease (rank 0, prefetched during the last step); every rank gets the same groups
@@ -334,7 +335,7 @@ def run_rl(cfg: TrainConfig, info: DistInfo) -> None:
                 path = export_hf(model, source, out / "weights" / f"v{version:06d}")
             t3 = time.perf_counter()
             for batch_id, group_ids in batch.leases.items():
-                held.setdefault(batch_id, []).extend(group_ids)
+                held.setdefault(batch_id, {}).update(dict.fromkeys(group_ids, version))
             # the publish runs while the next step trains (after the previous publish, which is waited for here)
             held, publish_wait = on_rank0(
                 info, f"publishing version {version}", _publish, pipe, held, version, path, durable

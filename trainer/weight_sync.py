@@ -288,7 +288,7 @@ class SyncPayload:
                     buckets.append(Bucket(names, [list(state[n].shape) for n in names], flat.dtype, flat))
         return cls(buckets, config, source, options, buffers)
 
-    def publish(self, client: GatewayClient, version: int, batch_ids: list[str], results: dict[str, str]) -> int:
+    def publish(self, client: GatewayClient, version: int, batch_ids: list[str], results: dict[str, str | int]) -> int:
         """Publish over process groups; on a 503 (no backend took them) write the HF folder and publish that."""
         try:
             return self._publish(client, version, batch_ids, results)
@@ -321,7 +321,7 @@ class SyncPayload:
             with self.buffers.lock:  # a gather into these buffers waits for the catch-up
                 yield self.buffers.generation == self.generation
 
-    def _publish(self, client: GatewayClient, version: int, batch_ids: list[str], results: dict[str, str]) -> int:
+    def _publish(self, client: GatewayClient, version: int, batch_ids: list[str], results: dict[str, str | int]) -> int:
         try:
             published = self._publish_distributed(client, version, batch_ids, results)
             if self.options.catch_up is not None:
@@ -350,14 +350,14 @@ class SyncPayload:
             self._strand()
 
     def _publish_distributed(self, client: GatewayClient, version: int, batch_ids: list[str],
-                             results: dict[str, str]) -> int:
+                             results: dict[str, str | int]) -> int:
         opts = self.options
         plan = client.sync_init(version, opts.address, opts.resolved_backend(), opts.timeout, host_id=host_id())
         answer = self._send(client, plan, version, batch_ids, results)
         return int(answer.get("version", version))
 
     def _send(self, client: GatewayClient, plan: dict[str, Any], version: int, batch_ids: list[str],
-              results: dict[str, str]) -> dict[str, Any]:
+              results: dict[str, str | int]) -> dict[str, Any]:
         opts = self.options
         t0 = time.perf_counter()
         backend = opts.resolved_backend()

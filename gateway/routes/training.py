@@ -13,7 +13,7 @@ from gateway.protocol import INT32_MAX, Strict
 from gateway.routes.common import json_response, read_body
 from gateway.routes.weight_sync import router as sync_router
 from gateway.services import services, serving
-from gateway.store.leases import LeaseRequest, LeaseResult
+from gateway.store.leases import LeaseRequest, LeaseResult, check_results
 from rollway_common.wire import LEASE_FORMATS
 
 router = APIRouter()
@@ -57,7 +57,12 @@ class RenewBody(Strict):
 
 
 class AckBody(Strict):
-    results: dict[str, str] = Field(default_factory=dict)
+    results: dict[str, str | int] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _results(self) -> AckBody:
+        check_results(self.results, None)
+        return self
 
 
 class PublishBody(Strict):
@@ -68,7 +73,12 @@ class PublishBody(Strict):
     batch_id: str | None = None
     batch_ids: list[str] = Field(default_factory=list)
     """Several leases trained in one step (refills after dynamic filtering): all acked with the publish."""
-    results: dict[str, str] = Field(default_factory=dict)
+    results: dict[str, str | int] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _results(self) -> PublishBody:  # before any backend is paused for a load the ack would then refuse
+        check_results(self.results, self.version)
+        return self
 
     @field_validator("model_path")
     @classmethod

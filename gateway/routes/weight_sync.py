@@ -11,7 +11,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from gateway.auth import admin
 from gateway.errors import BadRequest
@@ -20,6 +20,7 @@ from gateway.protocol import INT32_MAX, Strict
 from gateway.routes.common import json_response, read_body
 from gateway.services import serving
 from gateway.sglang import BackendError
+from gateway.store.leases import check_results
 
 log = logging.getLogger("rollway.gateway")
 router = APIRouter()
@@ -57,7 +58,12 @@ class SyncBody(Strict):
     """The tensor path: the servers' `load_format` for those payloads (SGLang's): `flattened_bucket` (each a bucket's
     bytes and their metadata), or null (each a list of named tensors, loaded by the model's `load_weights`)."""
     batch_ids: list[str] = Field(default_factory=list)
-    results: dict[str, str] = Field(default_factory=dict)
+    results: dict[str, str | int] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _results(self) -> SyncBody:  # before the servers are paused for it
+        check_results(self.results, self.version)
+        return self
 
 
 @router.post("/v1/weights/sync/init")

@@ -7,12 +7,14 @@ recomputed from rows (never a counter kept only in memory: AReaL#1388), the curr
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from sqlalchemy import Table, and_, func, select, update
 
 from gateway.errors import Conflict, NotFound
+from gateway.protocol import INT32_MAX
 from gateway.store.models import AdmissionCount, Batch, Group, Session, Setting, WeightState
 from gateway.store.store import Store, TurnRow, new_id
 
@@ -23,6 +25,19 @@ B = cast(Table, Batch.__table__)
 W = cast(Table, WeightState.__table__)
 KV = cast(Table, Setting.__table__)
 COUNTED = ("open", "complete", "leased", "trained")  # what admission counts (admission_counts, migration 0005)
+
+
+def check_results(results: Mapping[str, str | int], version: int | None) -> None:
+    """Each group's result in an ack or a publish: "trained", "filtered", or the version it was trained at, 1 ...
+    the publish's `version` (any int32 version for a plain ack). A trainer acks only with a durable checkpoint, so
+    the groups of every step since the last one ride on its publish: each keeps the version its update first went
+    into, not the checkpoint's. Raises ValueError naming the first bad one."""
+    top = INT32_MAX if version is None else version
+    for gid, outcome in results.items():
+        if outcome in ("trained", "filtered") or (type(outcome) is int and 1 <= outcome <= top):
+            continue
+        raise ValueError(f"the result for group {gid} must be 'trained', 'filtered' or the version it was trained "
+                         f"at (1 ... {top}), got {outcome!r}")
 
 
 @dataclass(slots=True)
@@ -75,7 +90,7 @@ class Leases:
             row = (await conn.execute(select(W.c.version, W.c.model_path).order_by(W.c.version.desc()).limit(1))).first()
         return (int(row.version), row.model_path) if row else (0, None)
 
-    async def publish(self, version: int, model_path: str, batch_ids: list[str], results: dict[str, str],
+    async def publish(self, version: int, model_path: str, batch_ids: list[str], results: dict[str, str | int],
                       failed: dict[str, str]) -> None:
         """Bump the version and ack the batches in one transaction."""
         async with self.store.begin() as conn:
@@ -220,13 +235,13 @@ class Leases:
             await conn.execute(update(B).where(B.c.id == batch_id).values(expires_at=expires))
         return expires
 
-    async def ack(self, batch_id: str, results: dict[str, str]) -> None:
+    async def ack(self, batch_id: str, results: dict[str, str | int]) -> None:
         """Close groups with nothing to publish. Only the listed groups (all of them when none are
         listed, as "filtered"); the batch closes once none of its groups is still leased."""
         async with self.store.begin() as conn:
             await self._ack(conn, batch_id, results, None)
 
-    async def _ack(self, conn: Any, batch_id: str, results: dict[str, str], version: int | None) -> None:
+    async def _ack(self, conn: Any, batch_id: str, results: dict[str, str | int], version: int | None) -> None:
         """`version` given (a publish): groups not listed are trained. Else only listed ones change."""
         await self._live_batch(batch_id, conn)
         leased = set(
@@ -239,13 +254,15 @@ class Leases:
             todo = {gid: results.get(gid, "trained") for gid in leased}
         else:
             todo = dict(results) if results else dict.fromkeys(leased, "filtered")
+        try:
+            check_results(todo, version)
+        except ValueError as e:
+            raise Conflict(str(e), param="results") from None
         for gid, outcome in todo.items():
             if outcome == "filtered":
                 values: dict[str, Any] = {"state": "dropped", "drop_reason": "filtered"}
-            elif outcome == "trained":
-                values = {"state": "trained", "trained_version": version}
-            else:
-                raise Conflict(f"result for {gid} must be 'trained' or 'filtered'", param="results")
+            else:  # the version its update first went into (an int), else this publish's
+                values = {"state": "trained", "trained_version": version if outcome == "trained" else outcome}
             await conn.execute(update(G).where(G.c.id == gid).values(**values))
         if leased <= set(todo):
             await conn.execute(update(B).where(B.c.id == batch_id).values(state="acked"))

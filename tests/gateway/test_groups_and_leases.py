@@ -483,3 +483,28 @@ def test_the_deprecated_gateway_gamma_keeps_its_meaning(fake: Any, tiny_model_di
         assert sorted({r for r, m in zip(s1.returns or [], s1.loss_mask, strict=True) if m}) == [0.5, 1.0]
         assert chain_returns(s2, gamma) == s1.returns
         assert gw.admin.post(f"/v1/batches/{two['batch_id']}/ack", json={}).status_code == 200
+
+
+def test_a_publish_gives_each_group_the_version_it_was_trained_at(gateway: LiveGateway, tmp_path: Any) -> None:
+    """A trainer acks only with a durable checkpoint: the groups of every step since the last one ride on its
+    publish, each with the version its update first went into (else all had the checkpoint's version)."""
+    drain(gateway)
+    groups = [gateway.group(2) for _ in range(3)]
+    for g in groups:
+        for cred in g["sessions"]:
+            play(gateway, cred, 1.0)
+    batch = lease(gateway, max_groups=3)
+    ids = [x["group_id"] for x in batch["groups"]]
+    v0 = gateway.admin.get("/v1/weights").json()["version"]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    body = {"version": v0 + 3, "model_path": str(ckpt), "batch_ids": [batch["batch_id"]]}
+    for bad in (v0 + 4, 0, True, "1"):  # past this publish, not a version, a bool, a number as text
+        r = gateway.admin.post("/v1/weights", json={**body, "results": {ids[0]: bad}})
+        assert r.status_code == 400 and (bad is True or "trained at" in r.text), (bad, r.text)
+    assert gateway.admin.get("/v1/weights").json()["version"] == v0  # refused before anything was published
+    r = gateway.admin.post("/v1/weights", json={**body, "results": {ids[0]: v0 + 1, ids[1]: v0 + 2}})
+    assert r.status_code == 200, r.text
+    got = [gateway.admin.get(f"/v1/groups/{gid}").json() for gid in ids]
+    assert [(g["state"], g["trained_version"]) for g in got] == [
+        ("trained", v0 + 1), ("trained", v0 + 2), ("trained", v0 + 3)]

@@ -64,8 +64,8 @@ def test_rl_loop_publishes_and_acks_after_checkpoint(
     assert [a["results"] for a in acks if "results" in a] == [{"g1": "filtered"}]
     pubs = gw.calls_to("/v1/weights")
     assert [(p["version"], p["batch_ids"], p["results"]) for p in pubs] == [
-        (1, ["b0", "b1"], {"g0": "trained", "g2": "trained"}),
-        (2, ["b2"], {"g3": "trained", "g4": "trained"}),
+        (1, ["b0", "b1"], {"g0": 1, "g2": 1}),
+        (2, ["b2"], {"g3": 2, "g4": 2}),
     ]
     assert [b["trainer_version"] for b in gw.calls_to("/v1/batches") if "trainer_version" in b] == [0, 0, 1]
     # the published folder loads, holds moved weights, and carries the tokenizer
@@ -126,11 +126,12 @@ def test_checkpoint_every_k_holds_leases_until_durable(
     finally:
         gw.close()
     # Step 1 is not durable: v1 is published with no batch, and b0 stays leased (renewed) until step 2,
-    # whose publish acks b0 and b1 together.
+    # whose publish acks b0 and b1 together, each group with the version its update went into (g0's is 1, not
+    # the checkpoint's 2: the viewer's "by trained version").
     pubs = gw.calls_to("/v1/weights")
     assert [(p["version"], p["batch_ids"], p["results"]) for p in pubs] == [
         (1, [], {}),
-        (2, ["b0", "b1"], {"g0": "trained", "g1": "trained"}),
+        (2, ["b0", "b1"], {"g0": 1, "g1": 2}),
     ]
     assert not gw.calls_to("/v1/batches/b0/ack")
     assert gw.calls_to("/v1/batches/b0/renew")  # renewed in the background while held
