@@ -12,6 +12,7 @@ for which a prefix does not render as a prefix is refused with the message index
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from pathlib import Path
@@ -28,6 +29,8 @@ from trainer.fsdp import DistInfo, broadcast, load_sharded_model
 from trainer.metrics import BarTarget, MetricsSink
 from trainer.step import forward_logprobs, make_optimizer, sft_step
 from trainer.tracking import tracking_for
+
+log = logging.getLogger("trainer")
 
 
 def _ids(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool) -> list[int]:
@@ -113,14 +116,19 @@ def rows_from_sessions(
     """Every recorded session in `state` (paginated), optionally only those rewarded >= min_reward."""
     rows: list[Row] = []
     after: str | None = None
+    seen = kept = 0
     while True:
         d = client.sessions(state=state, after=after, limit=page)
         for s in d.get("data", []):
+            seen += 1
             if min_reward is not None and (s.get("reward") is None or s["reward"] < min_reward):
                 continue
+            kept += 1
             rows += session_rows(s)
         after = d.get("next_after")
         if not after:
+            log.info("SFT data: %d of %d %s session(s)%s, %d sequence(s)", kept, seen, state,
+                     "" if min_reward is None else f" rewarded >= {min_reward:g}", len(rows))
             return rows
 
 

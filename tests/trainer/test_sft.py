@@ -6,6 +6,7 @@ import json
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tqdm import TqdmWarning
@@ -204,3 +205,20 @@ def test_session_rows_follow_turn_chains() -> None:
     rows = session_rows(session)
     assert [(r.token_ids, r.loss_mask) for r in rows] == [([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 0, 1]),
                                                           ([7, 8, 9], [0, 0, 0])]  # fmt: skip
+
+
+def test_sft_from_sessions_says_what_it_kept(caplog: pytest.LogCaptureFixture) -> None:
+    """`rollway train --mode sft` from recorded sessions said nothing of how many it kept under --sft-min-reward."""
+    from trainer.sft import rows_from_sessions
+
+    pages = {None: {"data": [{"id": "a", "reward": 1.0, "turns": []}, {"id": "b", "reward": 0.0, "turns": []}],
+                    "next_after": "b"},
+             "b": {"data": [{"id": "c", "reward": None, "turns": []}], "next_after": None}}
+
+    class Client:
+        def sessions(self, *, state: str, after: str | None, limit: int) -> dict[str, Any]:
+            return pages[after]
+
+    with caplog.at_level("INFO", logger="trainer"):
+        assert rows_from_sessions(Client(), "finished", 0.5) == []  # type: ignore[arg-type]
+    assert "SFT data: 1 of 3 finished session(s) rewarded >= 0.5, 0 sequence(s)" in caplog.text
