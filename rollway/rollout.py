@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -31,6 +32,8 @@ from tqdm import tqdm
 from rollway.keys import find_admin_key, missing_key_message
 
 log = logging.getLogger("rollway.rollout")
+CANCEL_ABANDON_S = 10.0
+"""How long a cancelled run waits for each of its sessions' abandon."""
 WAITING_SAY_S = 30.0
 """How often the runner says it is held by the gateway's staleness admission (429)."""
 
@@ -267,6 +270,17 @@ class Runner:
         self.stats.rewards.extend(r for _, r in done)
 
     async def _run_session(self, task: dict[str, Any], cred: dict[str, Any]) -> float | None:
+        try:
+            return await self._run_session_now(task, cred)
+        except asyncio.CancelledError:
+            # The run is ending (the demo's deadline, Ctrl-C): the session is abandoned, not left active with
+            # whatever it did, its group open for good. Best effort, and bounded: the gateway may be going too.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._post(f"/v1/sessions/{cred['session_id']}/abandon",
+                                                  {"reason": "run_cancelled"}), CANCEL_ABANDON_S)
+            raise
+
+    async def _run_session_now(self, task: dict[str, Any], cred: dict[str, Any]) -> float | None:
         import openai
 
         sid = cred["session_id"]

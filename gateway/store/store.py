@@ -404,8 +404,16 @@ class Store(ViewerStore):
 
     async def _refresh_group(self, conn: DbConnection, group_id: str) -> str | None:
         """open -> complete when every session is finished+rewarded or abandoned; drop when too few live.
-        Returns the group's new state when it moved ("complete" or "dropped")."""
-        g = (await conn.execute(select(G.c.state, G.c.n_samples).where(G.c.id == group_id))).one()
+        Returns the group's new state when it moved ("complete" or "dropped").
+
+        On PostgreSQL the group's row is locked first (after the caller's session row: sessions before their group,
+        as every path takes them): two sessions of a group ended at once each read the other as still active under
+        READ COMMITTED, and neither moved the group, which stayed open for good. Locked, the second waits for the
+        first to commit, and then reads its end."""
+        q = select(G.c.state, G.c.n_samples).where(G.c.id == group_id)
+        if conn.dialect.name == "postgresql":
+            q = q.with_for_update()
+        g = (await conn.execute(q)).one()
         if g.state != "open":
             return None
         rows = (await conn.execute(select(S.c.state, S.c.reward).where(S.c.group_id == group_id))).all()

@@ -508,3 +508,25 @@ def test_a_publish_gives_each_group_the_version_it_was_trained_at(gateway: LiveG
     got = [gateway.admin.get(f"/v1/groups/{gid}").json() for gid in ids]
     assert [(g["state"], g["trained_version"]) for g in got] == [
         ("trained", v0 + 1), ("trained", v0 + 2), ("trained", v0 + 3)]
+
+
+def test_sessions_ended_at_once_move_their_group(gateway: LiveGateway) -> None:
+    """Every session of a group finished (or abandoned) at the same moment: on PostgreSQL each transaction read the
+    others as still active (READ COMMITTED) and none moved the group, which stayed open for good. 5 groups of 8."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def end(cred: dict[str, Any], how: str) -> int:
+        path = f"/v1/sessions/{cred['session_id']}/{how}"
+        return gateway.admin.post(path, json={"reason": "x"} if how == "abandon" else None).status_code
+
+    for how, want in (("finish", "complete"), ("abandon", "dropped")):
+        groups = [gateway.group(8) for _ in range(5)]
+        for g in groups:
+            for cred in g["sessions"]:
+                if how == "finish":
+                    assert gateway.admin.post(f"/v1/sessions/{cred['session_id']}/reward",
+                                              json={"reward": 1.0}).status_code == 200
+        with ThreadPoolExecutor(8) as pool:
+            for g in groups:
+                assert list(pool.map(lambda c: end(c, how), g["sessions"])) == [200] * 8
+        assert [state(gateway, g["group_id"]) for g in groups] == [want] * 5

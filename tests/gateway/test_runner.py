@@ -153,3 +153,34 @@ def test_the_runner_says_when_the_trainer_holds_it(fake: Any, tiny_model_dir: An
             raise AssertionError("the second group was admitted")
     said = [r.getMessage() for r in caplog.records if r.name == "rollway.rollout"]
     assert len(said) == 1 and "waiting for the trainer" in said[0] and "staleness" in said[0], said
+
+
+def test_a_cancelled_run_abandons_its_sessions(gateway: LiveGateway) -> None:
+    """The demo cancels its groups in flight when its time is up: their sessions stayed active (and their groups
+    open) in the store for good. Now each is abandoned, the ones waiting for a slot too."""
+    started = asyncio.Event()
+
+    async def slow(task: dict[str, Any], client: AsyncOpenAI) -> float:
+        started.set()
+        await asyncio.sleep(60)
+        return 1.0
+
+    async def main() -> None:
+        runner = Runner(gateway.url, ADMIN_KEY, slow, concurrency=2)  # 2 run, 2 wait for a slot
+        try:
+            task = asyncio.ensure_future(runner.run_group({"prompt": "1+1="}, 4))
+            await started.wait()
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        finally:
+            await runner.close()
+
+    before = {s["id"] for s in gateway.admin.get("/v1/sessions", params={"limit": 1000}).json()["data"]}
+    asyncio.run(main())
+    mine = [s for s in gateway.admin.get("/v1/sessions", params={"limit": 1000}).json()["data"] if s["id"] not in before]
+    assert len(mine) == 4 and all(s["state"] == "abandoned" for s in mine), mine
+    group = gateway.admin.get(f"/v1/groups/{gateway.session(mine[0]['id'])['group_id']}").json()
+    assert group["state"] == "dropped" and {s["end_reason"] for s in group["sessions"]} == {"run_cancelled"}, group
