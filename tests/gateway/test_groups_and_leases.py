@@ -528,5 +528,5 @@ def test_sessions_ended_at_once_move_their_group(gateway: LiveGateway) -> None:
                                               json={"reward": 1.0}).status_code == 200
         with ThreadPoolExecutor(8) as pool:
             for g in groups:
-                assert list(pool.map(lambda c: end(c, how), g["sessions"])) == [200] * 8
+                assert list(pool.map(end, g["sessions"], [how] * 8)) == [200] * 8
         assert [state(gateway, g["group_id"]) for g in groups] == [want] * 5
