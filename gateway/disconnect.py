@@ -46,6 +46,7 @@ async def run_to_end(request: Request, prepared: PreparedTurn) -> tuple[Generati
     settings = services(request).settings
     gen = Generation()
     watch = _Watch(request, gen, on.pool)
+    turns: TurnService = on.turns
     try:
         async for _ in generate(
             on.pool, session_id=prepared.auth.id, group_id=prepared.auth.group_id,
@@ -54,9 +55,11 @@ async def run_to_end(request: Request, prepared: PreparedTurn) -> tuple[Generati
             out=gen,
         ):
             pass
+    except BaseException:
+        turns.dropped(prepared)
+        raise
     finally:
         watch.stop()
-    turns: TurnService = on.turns
     finished = await turns.finish(prepared, gen, client_disconnected=gen.client_gone)
     if gen.client_gone:
         log.info("client left turn %s after %d tokens: backend request aborted, partial turn stored",

@@ -134,6 +134,11 @@ class TurnService:
         self._running.add(prepared)
         return prepared
 
+    def dropped(self, p: PreparedTurn) -> None:
+        """`p` ends without a turn to store (its generation failed): no longer in flight, without waiting for the
+        last reference to it to go (a traceback may hold one a while)."""
+        self._running.discard(p)
+
     async def settled(self, session_ids: Sequence[str], timeout: float) -> bool:
         """Waits until no turn of these sessions is in flight on this gateway (prepared, not yet stored), at most
         `timeout` seconds; whether they settled. A session finished while one of its calls still generates would

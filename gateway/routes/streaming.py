@@ -119,6 +119,9 @@ async def stream_turn(
         first: int | None = await agen.__anext__()
     except StopAsyncIteration:
         first = None
+    except BaseException:
+        turns.dropped(prepared)
+        raise
 
     async def body() -> AsyncIterator[bytes]:
         parser = None if raw else turns.reply_parser(prepared)
