@@ -85,7 +85,7 @@ def resumed_weights(db_url: str, model: Path) -> None:
     if not Path(path).is_dir():
         raise SystemExit(f"{here} and that folder is gone: restore it, or {fresh}")
     trained, given = _config(Path(path)), _config(model)
-    differ = [k for k in SAME_MODEL_KEYS if trained.get(k) != given.get(k)]
+    differ = [k for k in SAME_MODEL_KEYS if k in trained and k in given and trained[k] != given[k]]  # both say
     if trained and given and differ:
         shown = ", ".join(f"{k} {trained.get(k)!r} there, {given.get(k)!r} in {model}" for k in differ[:3])
         raise SystemExit(f"{here} of another model than --model {model} ({shown}): to serve that model, {fresh}")
