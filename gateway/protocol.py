@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.errors import BadRequest
+from rollway_common.wire import INT32_MAX
 
 log = logging.getLogger("rollway.gateway")
 _seen_unknown: set[str] = set()
@@ -25,7 +26,6 @@ MAX_LOGGED_UNKNOWN = 100
 """Distinct unknown field names logged per process: a client inventing names can't grow the log (or this set)
 without bound."""
 INT64_MAX = 2**63 - 1
-INT32_MAX = 2**31 - 1
 MAX_ABS_REWARD = 1e6
 """Rewards (session, turn, group) are refused outside [-1e6, 1e6]: the trainer computes returns and advantages
 in float32 (max ~3.4e38), where a reward of 1e308 (finite in JSON) became `inf` in a lease, and sums and

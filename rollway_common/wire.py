@@ -20,6 +20,8 @@ LEASE_FORMAT = 2
 sample's turns (`turn_ends`, `completion_starts`, `turn_rewards`) and the trainer computes returns; 1 (what a
 request without `lease_format` gets) carries per-token `returns` computed by the gateway."""
 LEASE_FORMATS = (1, 2)
+INT32_MAX = 2**31 - 1
+"""The largest int32: token ids and weight versions travel and are stored as int32 arrays."""
 
 Dtype = Literal["int32", "float32", "uint8"]
 _TYPECODE: dict[str, str] = {"int32": "i", "float32": "f", "uint8": "B"}

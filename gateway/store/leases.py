@@ -14,9 +14,9 @@ from typing import Any, Protocol, cast
 from sqlalchemy import Table, and_, func, select, update
 
 from gateway.errors import Conflict, NotFound
-from gateway.protocol import INT32_MAX
 from gateway.store.models import AdmissionCount, Batch, Group, Session, Setting, WeightState
 from gateway.store.store import Store, TurnRow, new_id
+from rollway_common.wire import INT32_MAX
 
 G = cast(Table, Group.__table__)
 AC = cast(Table, AdmissionCount.__table__)
