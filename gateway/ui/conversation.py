@@ -77,7 +77,8 @@ def turn_views(rows: list[LightTurn]) -> list[dict[str, Any]]:
     for r in rows:
         new = [message_view(m, r.first_new + i) for i, m in enumerate(r.new_messages)]
         for m in new:
-            call = calls.get(m["tool_call_id"] or "")
+            tid = m["tool_call_id"]  # a string, but a store written before requests were checked may hold a dict
+            call = calls.get(tid) if isinstance(tid, str) else None
             m["tool_name"] = call["name"] if call else None
             m["tool_failed"] = m["role"] == "tool" and _looks_failed(m["content"]["text"])
         versions = _versions(r.versions)

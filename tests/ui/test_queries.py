@@ -122,3 +122,19 @@ def test_migration_0004_indexes_match_the_models(db_url: str) -> None:
 def test_hostile_input_is_never_a_500(gw: tuple[LiveGateway, FakeSGLang, Any], path: str) -> None:
     r = gw[0].admin.get(path)
     assert r.status_code in (200, 303, 400, 404), (path, r.status_code, r.text[:200])
+
+
+def test_a_stored_tool_call_id_that_is_no_string_does_not_break_the_page() -> None:
+    """A store written before Responses input items were checked may hold a dict `call_id` (the probe's
+    reproducer): the session page was a 500 (`unhashable type: 'dict'`)."""
+    from gateway.store.views import LightTurn
+    from gateway.ui.conversation import turn_views
+
+    reply = {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    turn = LightTurn(id="t", seq=1, parent_id=None, reply=reply, versions=b"", temperature=1.0, finish_reason="stop",
+                     continuity="new-chain", chain_reason=None, client_disconnected=False, reward=None, prompt_len=3,
+                     timings={}, new_messages=[{"role": "tool", "tool_call_id": {"a": 1}, "content": "r"},
+                                               {"role": "tool", "tool_call_id": "c1", "content": "r"}])
+    (view,) = turn_views([turn])
+    assert [m["tool_name"] for m in view["new_messages"]] == [None, "f"]
