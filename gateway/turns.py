@@ -391,52 +391,56 @@ class TurnService:
                      shared=shared_prefix(p.req.messages, parent.messages))
 
     async def finish(self, p: PreparedTurn, gen: Generation, *, client_disconnected: bool = False) -> FinishedTurn:
-        text = self.template.completion_text(gen.ids)
-        matched = (gen.finish or {}).get("matched")
-        if isinstance(matched, str) and matched in text:
-            text = text[: text.index(matched)]
-        raw_only = p.req.endpoint == "completions"
-        if raw_only:
-            parsed = ParsedReply(text, None, [])
-        else:
-            parser = self.reply_parser(p)
-            parser.feed(text)
-            parsed = parser.finish()
-        ftype = "abort" if client_disconnected else gen.finish_type
-        finish = {"stop": "tool_calls" if parsed.tool_calls else "stop", "length": "length"}.get(ftype, "abort")
-        reply = {} if raw_only or (client_disconnected and not gen.ids) else self.template.assistant_message(parsed)
-        if raw_only:
-            reply = {"role": "assistant", "content": text}
-        record = TurnRecord(
-            id=p.turn_id,
-            parent_id=p.parent_id,
-            endpoint=p.req.endpoint,
-            request=self._stored_request(p, {
-                "messages": p.req.messages, "tools": p.req.tools, "asked": p.req.asked, "sampling": p.sampling,
-                # Only when there are some: a turn's record stays as it was for the many without.
-                **({"chat_template_kwargs": p.template_kwargs} if p.template_kwargs and not raw_only else {})}),
-            reply=reply,
-            prompt_ids=pack(p.prompt_delta, "int32"),
-            prompt_len=len(p.prompt_ids),
-            completion_ids=pack(gen.ids, "int32"),
-            logprobs=pack(gen.logprobs, "float32"),
-            versions=pack(gen.versions, "int32"),
-            temperature=p.temperature,
-            finish_reason=finish,
-            continuity="extends" if p.parent_id else "new-chain",
-            chain_reason=p.chain_reason,
-            client_disconnected=client_disconnected,
-            constrained=p.constrained,
-            timings={
-                "started": p.started, "finished": time.time(), "resubmits": gen.resubmits,
-                "prompt_tokens": len(p.prompt_ids), "cached_tokens": gen.cached_tokens, "backend": gen.backend_id,
-                # [[first token index, backend id], ...]: more than one when a backend died mid-reply.
-                "backends": gen.backends,
-            },
-        )
-        # Shielded: a client that goes away while we commit must not cancel the commit.
-        stored = self.store.insert_turn_started(p.auth.id, record)
-        stored.add_done_callback(lambda _: self._running.discard(p))  # in flight until durable (`settled`)
+        try:  # until the store has the turn: a failure before it leaves the in-flight set at once (`settled`)
+            text = self.template.completion_text(gen.ids)
+            matched = (gen.finish or {}).get("matched")
+            if isinstance(matched, str) and matched in text:
+                text = text[: text.index(matched)]
+            raw_only = p.req.endpoint == "completions"
+            if raw_only:
+                parsed = ParsedReply(text, None, [])
+            else:
+                parser = self.reply_parser(p)
+                parser.feed(text)
+                parsed = parser.finish()
+            ftype = "abort" if client_disconnected else gen.finish_type
+            finish = {"stop": "tool_calls" if parsed.tool_calls else "stop", "length": "length"}.get(ftype, "abort")
+            reply = {} if raw_only or (client_disconnected and not gen.ids) else self.template.assistant_message(parsed)
+            if raw_only:
+                reply = {"role": "assistant", "content": text}
+            record = TurnRecord(
+                id=p.turn_id,
+                parent_id=p.parent_id,
+                endpoint=p.req.endpoint,
+                request=self._stored_request(p, {
+                    "messages": p.req.messages, "tools": p.req.tools, "asked": p.req.asked, "sampling": p.sampling,
+                    # Only when there are some: a turn's record stays as it was for the many without.
+                    **({"chat_template_kwargs": p.template_kwargs} if p.template_kwargs and not raw_only else {})}),
+                reply=reply,
+                prompt_ids=pack(p.prompt_delta, "int32"),
+                prompt_len=len(p.prompt_ids),
+                completion_ids=pack(gen.ids, "int32"),
+                logprobs=pack(gen.logprobs, "float32"),
+                versions=pack(gen.versions, "int32"),
+                temperature=p.temperature,
+                finish_reason=finish,
+                continuity="extends" if p.parent_id else "new-chain",
+                chain_reason=p.chain_reason,
+                client_disconnected=client_disconnected,
+                constrained=p.constrained,
+                timings={
+                    "started": p.started, "finished": time.time(), "resubmits": gen.resubmits,
+                    "prompt_tokens": len(p.prompt_ids), "cached_tokens": gen.cached_tokens, "backend": gen.backend_id,
+                    # [[first token index, backend id], ...]: more than one when a backend died mid-reply.
+                    "backends": gen.backends,
+                },
+            )
+            # Shielded: a client that goes away while we commit must not cancel the commit.
+            stored = self.store.insert_turn_started(p.auth.id, record)
+            stored.add_done_callback(lambda _: self._running.discard(p))  # in flight until durable (`settled`)
+        except BaseException:
+            self._running.discard(p)
+            raise
         seq = await asyncio.shield(stored)
         if raw_only and p.view is not None and p.view.turn_count == seq - 1:
             # A raw completion is no parent (no messages), but its ids count toward the session's tokens.
